@@ -1,0 +1,1 @@
+"""MoH-DiT: Mixture-of-Head attention for Diffusion Transformers on diffusers."""

@@ -1,0 +1,1 @@
+"""Diffusers pipelines of moh-dit (installed as ``moh_dit.pipelines``)."""
