@@ -1,0 +1,325 @@
+"""Checkpoint conversion between the release / facebookresearch DiT format, diffusers'
+``DiTTransformer2DModel`` and ``MoHDiTTransformer2DModel``.
+
+All conversions are strict: every missing, unexpected or mis-shaped key is named in one
+error, a preset that does not match the weights is refused, and nothing is written unless
+the whole conversion succeeded (the output folder appears by an atomic rename).
+
+Release key format: MOH_DIT_FACTS.md section 3. Top-K cannot be read from weights (layers
+with K=1 and K=2 have the same shapes), so the preset is always required.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .presets import PRESETS, get_preset
+from .transformer_moh_dit import MoHDiTTransformer2DModel
+
+__all__ = [
+    "ConversionError",
+    "model_to_release_state_dict",
+    "release_state_dict_to_model",
+    "diffusers_dit_state_dict_to_model",
+    "load_checkpoint_state_dict",
+    "convert_checkpoint",
+    "save_pretrained_atomic",
+]
+
+
+class ConversionError(ValueError):
+    """The checkpoint does not match the requested preset or format."""
+
+
+# Keys of the release format that map one-to-one onto the model (qkv is split separately).
+_GLOBAL_RELEASE_KEYS = {
+    "x_embedder.proj": "pos_embed.proj",
+    "t_embedder.mlp.0": "time_class_embed.timestep_embedder.linear_1",
+    "t_embedder.mlp.2": "time_class_embed.timestep_embedder.linear_2",
+    "y_embedder.embedding_table": "time_class_embed.class_embedder.embedding_table",
+    "final_layer.linear": "proj_out_2",
+    "final_layer.adaLN_modulation.1": "proj_out_1",
+}
+_BLOCK_RELEASE_KEYS = {
+    "attn.proj": "attn1.to_out.0",
+    "attn.wg": "attn1.router_routed",
+    "attn.wg_0": "attn1.router_mix",
+    "attn.wg_1": "attn1.router_shared",
+    "mlp.fc1": "ff.net.0.proj",
+    "mlp.fc2": "ff.net.2",
+    "adaLN_modulation.1": "norm1.linear",
+}
+
+
+def _release_name_map(model: MoHDiTTransformer2DModel) -> dict[str, str]:
+    """release module prefix -> model module prefix, for the modules this model has."""
+    names = dict(_GLOBAL_RELEASE_KEYS)
+    for i in range(len(model.transformer_blocks)):
+        for rel, ours in _BLOCK_RELEASE_KEYS.items():
+            names[f"blocks.{i}.{rel}"] = f"transformer_blocks.{i}.{ours}"
+    return names
+
+
+def model_to_release_state_dict(model: MoHDiTTransformer2DModel) -> dict[str, torch.Tensor]:
+    """The model's weights in the release / facebookresearch DiT key format (with pos_embed).
+
+    Useful to run the authors' sampling code on weights trained here, and as the exact
+    inverse of ``release_state_dict_to_model`` for testing.
+    """
+    ours = model.state_dict()
+    out: dict[str, torch.Tensor] = {"pos_embed": model.pos_embed.pos_embed.detach().clone()}
+    for rel, mine in _release_name_map(model).items():
+        for suffix in ("weight", "bias"):
+            key = f"{mine}.{suffix}"
+            if key in ours:
+                out[f"{rel}.{suffix}"] = ours[key].clone()
+    for i in range(len(model.transformer_blocks)):
+        for suffix in ("weight", "bias"):
+            prefix = f"transformer_blocks.{i}.attn1"
+            out[f"blocks.{i}.attn.qkv.{suffix}"] = torch.cat(
+                [ours[f"{prefix}.to_{p}.{suffix}"] for p in "qkv"], dim=0
+            )  # rows q | k | v, each head-major
+    return out
+
+
+def _check_keys(
+    given: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str, hint: str
+) -> None:
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
+    mis_shaped = sorted(
+        f"{k}: checkpoint {tuple(given[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in set(given) & set(expected)
+        if tuple(given[k].shape) != tuple(expected[k].shape)
+    )
+    if missing or unexpected or mis_shaped:
+        lines = [f"The {what} does not match the model built from the preset. {hint}"]
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", mis_shaped)):
+            if items:
+                lines.append(f"  {title} ({len(items)}): " + "; ".join(items))
+        raise ConversionError("\n".join(lines))
+
+
+def _strip_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop DDP / torch.compile wrappers' key prefixes."""
+    for prefix in ("module.", "_orig_mod."):
+        if state_dict and all(k.startswith(prefix) for k in state_dict):
+            state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
+    return state_dict
+
+
+def release_state_dict_to_model(
+    state_dict: dict[str, torch.Tensor], model: MoHDiTTransformer2DModel, pos_embed_atol: float = 1e-4
+) -> None:
+    """Load a release / facebookresearch DiT state dict into ``model`` (strict)."""
+    state_dict = _strip_prefix(dict(state_dict))
+    expected = model_to_release_state_dict(model)
+    _check_keys(
+        state_dict, expected, "checkpoint",
+        "Check --preset (a MoH checkpoint needs a MoH preset with the same per-layer heads), "
+        "--sample-size and --num-classes.",
+    )
+    # pos_embed is a fixed sin-cos table; a mismatch means a wrong sample or patch size.
+    diff = (state_dict["pos_embed"].float() - expected["pos_embed"].float()).abs().max().item()
+    if diff > pos_embed_atol:
+        raise ConversionError(
+            f"The checkpoint's positional embedding differs from the sin-cos table of this config by {diff:.3g}; "
+            "check --sample-size and the preset's patch size."
+        )
+    ours: dict[str, torch.Tensor] = {}
+    for rel, mine in _release_name_map(model).items():
+        for suffix in ("weight", "bias"):
+            if f"{rel}.{suffix}" in state_dict:
+                ours[f"{mine}.{suffix}"] = state_dict[f"{rel}.{suffix}"]
+    for i, block in enumerate(model.transformer_blocks):
+        inner = block.attn1.inner_dim
+        for suffix in ("weight", "bias"):
+            q, k, v = state_dict[f"blocks.{i}.attn.qkv.{suffix}"].split(inner, dim=0)
+            for name, value in zip("qkv", (q, k, v)):
+                ours[f"transformer_blocks.{i}.attn1.to_{name}.{suffix}"] = value
+    model.load_state_dict(ours, strict=True)
+
+
+def diffusers_dit_state_dict_to_model(
+    state_dict: dict[str, torch.Tensor], model: MoHDiTTransformer2DModel, allow_divergent_embeddings: bool = False
+) -> None:
+    """Load a diffusers ``DiTTransformer2DModel`` state dict into a dense ``model``.
+
+    diffusers keeps a timestep+label embedder in every block; they are folded into the
+    model's single shared one. Converted facebookresearch checkpoints hold identical copies;
+    if the copies differ (a model fine-tuned in diffusers), the conversion refuses unless
+    ``allow_divergent_embeddings`` (then block 0's copy is used).
+    """
+    state_dict = _strip_prefix(dict(state_dict))
+    emb_prefix = "transformer_blocks.{}.norm1.emb."
+    first = {k[len(emb_prefix.format(0)):]: v for k, v in state_dict.items() if k.startswith(emb_prefix.format(0))}
+    if not first:
+        raise ConversionError(
+            "No per-block embedder (transformer_blocks.0.norm1.emb.*) found: this is not a diffusers DiTTransformer2DModel state dict."
+        )
+    ours: dict[str, torch.Tensor] = {}
+    worst = 0.0
+    for key, value in state_dict.items():
+        if ".norm1.emb." in key:
+            block, rest = key.split(".norm1.emb.", 1)
+            if rest in first:
+                worst = max(worst, (value.float() - first[rest].float()).abs().max().item())
+            continue
+        ours[key] = value
+    if worst > 0 and not allow_divergent_embeddings:
+        raise ConversionError(
+            f"The per-block timestep/label embedders differ between blocks (max difference {worst:.3g}); "
+            "folding them into one changes the model. Pass allow_divergent_embeddings=True to use block 0's copy."
+        )
+    for rest, value in first.items():
+        ours[f"time_class_embed.{rest}"] = value
+    _check_keys(ours, model.state_dict(), "diffusers DiT state dict", "Check --preset (use the dense DiT preset of the same size).")
+    model.load_state_dict(ours, strict=True)
+
+
+def _load_file_state_dict(path: Path) -> dict[str, Any]:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    # The release pickles an argparse.Namespace under "args": allow exactly that class rather
+    # than unpickling arbitrary objects with weights_only=False.
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+
+
+def _fetch(source: str) -> Path:
+    """A local path as is; a URL downloaded to the torch hub cache; a hub id snapshot-downloaded."""
+    path = Path(source).expanduser()
+    if path.exists():
+        return path
+    if source.startswith(("http://", "https://")):
+        target = Path(torch.hub.get_dir()) / "checkpoints" / Path(source).name
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            torch.hub.download_url_to_file(source, str(target))
+        return target
+    if source.count("/") == 1 and not source.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(source, allow_patterns=["*.json", "transformer/*", "*.safetensors", "*.pt"]))
+        except Exception as err:  # noqa: BLE001 - re-raised with the context users need
+            raise FileNotFoundError(f"{source!r} is not a local path and could not be fetched from the Hub: {err}") from err
+    raise FileNotFoundError(f"Checkpoint {source!r} does not exist (expected a .pt/.safetensors file, a diffusers folder, a URL or a Hub id).")
+
+
+def load_checkpoint_state_dict(source: str | os.PathLike, weights: str = "ema") -> tuple[str, dict[str, torch.Tensor], dict | None]:
+    """Read a checkpoint and tell its format.
+
+    Returns ``(format, state_dict, diffusers_config)`` with format ``"release"`` (the
+    release's / facebookresearch's pickles, or a bare state dict in that key format) or
+    ``"diffusers"`` (a ``DiTTransformer2DModel`` folder, or a pipeline folder holding one).
+    """
+    if weights not in ("ema", "model"):
+        raise ValueError(f"weights={weights!r}; choose 'ema' (used for sampling) or 'model'.")
+    path = _fetch(str(source))
+    if path.is_dir():
+        if (path / "model_index.json").exists() and (path / "transformer").is_dir():
+            path = path / "transformer"
+        config_file = path / "config.json"
+        if not config_file.exists():
+            raise ConversionError(f"{path} is a folder without config.json; expected a diffusers DiTTransformer2DModel folder.")
+        config = json.loads(config_file.read_text())
+        if config.get("_class_name") != "DiTTransformer2DModel":
+            raise ConversionError(f"{config_file} describes a {config.get('_class_name')!r}, not a DiTTransformer2DModel.")
+        files = sorted(path.glob("diffusion_pytorch_model*.safetensors")) or sorted(path.glob("diffusion_pytorch_model*.bin"))
+        if not files:
+            raise ConversionError(f"No diffusion_pytorch_model*.safetensors/.bin weights in {path}.")
+        state_dict: dict[str, torch.Tensor] = {}
+        for file in files:
+            state_dict.update(_load_file_state_dict(file))
+        return "diffusers", state_dict, config
+    raw = _load_file_state_dict(path)
+    if not isinstance(raw, dict):
+        raise ConversionError(f"{path} holds a {type(raw).__name__}, not a state dict or a training checkpoint dict.")
+    if "ema" in raw or "model" in raw:
+        if weights not in raw:
+            raise ConversionError(f"{path} has no {weights!r} weights; its top-level keys are {sorted(raw)}.")
+        raw = raw[weights]
+    state_dict = {k: v for k, v in raw.items() if torch.is_tensor(v)}
+    if not state_dict:
+        raise ConversionError(f"{path} contains no tensors.")
+    return "release", _strip_prefix(state_dict), None
+
+
+def save_pretrained_atomic(model: MoHDiTTransformer2DModel, output: str | os.PathLike, overwrite: bool = False) -> Path:
+    """``save_pretrained`` into a temporary sibling folder, then rename it into place."""
+    output = Path(output)
+    if output.exists() and any(output.iterdir()) and not overwrite:
+        raise FileExistsError(f"Output folder {output} exists and is not empty; choose another or pass overwrite=True.")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def convert_checkpoint(
+    checkpoint: str | os.PathLike,
+    preset: str,
+    output: str | os.PathLike | None = None,
+    weights: str = "ema",
+    sample_size: int | None = None,
+    num_classes: int | None = None,
+    overwrite: bool = False,
+    allow_divergent_embeddings: bool = False,
+) -> MoHDiTTransformer2DModel:
+    """Convert a release / facebookresearch / diffusers DiT checkpoint into ``preset``.
+
+    ``sample_size`` and ``num_classes`` default to what the checkpoint says (pos_embed length
+    and embedding rows, or the diffusers config). The model is saved to ``output`` with
+    ``save_pretrained`` when given; returned either way.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"Unknown preset {preset!r}. Known presets: {', '.join(PRESETS)}.")
+    if output is not None:
+        output = Path(output)
+        if output.exists() and any(output.iterdir()) and not overwrite:
+            raise FileExistsError(f"Output folder {output} exists and is not empty; choose another or pass overwrite=True.")
+    fmt, state_dict, dconfig = load_checkpoint_state_dict(checkpoint, weights)
+    config = get_preset(preset)
+    patch = config["patch_size"]
+    if fmt == "release":
+        if "pos_embed" in state_dict and sample_size is None:
+            sample_size = int(round(state_dict["pos_embed"].shape[1] ** 0.5)) * patch
+        table = state_dict.get("y_embedder.embedding_table.weight")
+        if table is not None and num_classes is None:
+            num_classes = table.shape[0] - 1
+    else:
+        if config.get("num_shared_heads") is not None:
+            raise ConversionError(f"A diffusers DiTTransformer2DModel is a dense DiT; convert it into a dense preset, not {preset!r}.")
+        sample_size = sample_size or dconfig.get("sample_size")
+        num_classes = num_classes or dconfig.get("num_embeds_ada_norm")
+    if sample_size is not None:
+        config["sample_size"] = int(sample_size)
+    if num_classes is not None:
+        config["num_classes"] = int(num_classes)
+    model = MoHDiTTransformer2DModel(**config)
+    if fmt == "release":
+        release_state_dict_to_model(state_dict, model)
+    else:
+        diffusers_dit_state_dict_to_model(state_dict, model, allow_divergent_embeddings)
+    model.eval()
+    if output is not None:
+        save_pretrained_atomic(model, output, overwrite=overwrite)
+    return model

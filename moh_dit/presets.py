@@ -1,0 +1,178 @@
+"""Model presets by the names users know, as plain data.
+
+Every preset is a dict of ``MoHDiTTransformer2DModel`` constructor arguments. MoH layouts
+follow the authors' release (MOH_DIT_FACTS.md section 2): per layer the number of heads,
+the number of shared heads and the routed top-K. Dense DiT presets have no routers
+(``num_shared_heads=None``) and match facebookresearch/DiT.
+
+The head-weighted activation ratio of a config is ``sum_l (hs_l + K_l) / sum_l h_l``; this
+weighting is what gives the MoH presets their "-75" / "-90" names.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+__all__ = ["PRESETS", "get_preset", "head_activation_ratio_of_config", "resolve_layer_layout"]
+
+
+def _repeat(*runs: tuple[int, int]) -> list[int]:
+    """``_repeat((8, 9), (16, 10))`` -> nine 8s followed by ten 16s."""
+    out: list[int] = []
+    for value, count in runs:
+        out += [value] * count
+    return out
+
+
+# ImageNet 256x256 through the SD VAE: 32x32x4 latents, learned sigma, 1000 classes + null.
+_IMAGENET = dict(sample_size=32, in_channels=4, learn_sigma=True, num_classes=1000, class_dropout_prob=0.1)
+
+_DIT_SIZES = {
+    "S": dict(num_layers=12, hidden_size=384, num_attention_heads=6),
+    "B": dict(num_layers=12, hidden_size=768, num_attention_heads=12),
+    "L": dict(num_layers=24, hidden_size=1024, num_attention_heads=16),
+    "XL": dict(num_layers=28, hidden_size=1152, num_attention_heads=16),
+}
+
+PRESETS: dict[str, dict[str, Any]] = {}
+
+for _size, _dims in _DIT_SIZES.items():
+    for _patch in (2, 4, 8):
+        PRESETS[f"DiT-{_size}/{_patch}"] = dict(
+            _IMAGENET,
+            patch_size=_patch,
+            attention_head_dim=_dims["hidden_size"] // _dims["num_attention_heads"],
+            **_dims,
+        )
+
+PRESETS.update(
+    {
+        "MoH-DiT-XL/2-90": dict(
+            _IMAGENET, patch_size=2, num_layers=28, hidden_size=1152, attention_head_dim=72,
+            num_attention_heads=_repeat((8, 9), (16, 10), (24, 9)),
+            num_shared_heads=_repeat((8, 9), (16, 10), (16, 9)),
+            top_k=_repeat((0, 19), (3, 9)),
+        ),
+        "MoH-DiT-XL/2-75": dict(
+            _IMAGENET, patch_size=2, num_layers=28, hidden_size=1152, attention_head_dim=72,
+            num_attention_heads=_repeat((8, 9), (16, 10), (24, 9)),
+            num_shared_heads=_repeat((8, 9), (10, 10), (14, 9)),
+            top_k=_repeat((0, 9), (2, 10), (2, 9)),
+        ),
+        "MoH-DiT-L/2-90": dict(
+            _IMAGENET, patch_size=2, num_layers=24, hidden_size=1024, attention_head_dim=64,
+            num_attention_heads=_repeat((8, 8), (16, 8), (24, 8)),
+            num_shared_heads=_repeat((8, 8), (16, 8), (16, 8)),
+            top_k=_repeat((0, 16), (3, 8)),
+        ),
+        "MoH-DiT-L/2-75": dict(
+            _IMAGENET, patch_size=2, num_layers=24, hidden_size=1024, attention_head_dim=64,
+            num_attention_heads=_repeat((8, 8), (16, 8), (24, 8)),
+            num_shared_heads=_repeat((8, 8), (8, 8), (12, 8)),
+            top_k=_repeat((0, 8), (4, 8), (4, 8)),
+        ),
+        "MoH-DiT-B/2-90": dict(
+            _IMAGENET, patch_size=2, num_layers=12, hidden_size=768, attention_head_dim=64,
+            num_attention_heads=12,
+            num_shared_heads=[6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 12, 12],
+            top_k=_repeat((4, 10), (0, 2)),
+        ),
+        "MoH-DiT-B/2-75": dict(
+            _IMAGENET, patch_size=2, num_layers=12, hidden_size=768, attention_head_dim=64,
+            num_attention_heads=12,
+            num_shared_heads=[4, 4, 6, 6, 6, 6, 6, 6, 6, 6, 12, 12],
+            top_k=[2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 0, 0],
+        ),
+        "MoH-DiT-S/2-90": dict(
+            _IMAGENET, patch_size=2, num_layers=12, hidden_size=384, attention_head_dim=64,
+            num_attention_heads=6,
+            num_shared_heads=_repeat((3, 8), (6, 4)),
+            top_k=_repeat((2, 8), (0, 4)),
+        ),
+        "MoH-DiT-S/2-75": dict(
+            _IMAGENET, patch_size=2, num_layers=12, hidden_size=384, attention_head_dim=64,
+            num_attention_heads=6,
+            num_shared_heads=[2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 6, 6],
+            top_k=[1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0],
+        ),
+        # Tiny presets for tests and the CPU demo: 32x32 RGB in pixel space. The MoH layout
+        # covers every gate case of the release: all-shared (K=0), a single shared head
+        # (hs=1, where the release crashes), no shared head (hs=0) and ordinary layers.
+        # Head-weighted activation (4+3+3+3+3+2)/24 = 0.75.
+        "MoH-DiT-Tiny": dict(
+            sample_size=32, in_channels=3, learn_sigma=True, num_classes=10, class_dropout_prob=0.1,
+            patch_size=2, num_layers=6, hidden_size=128, attention_head_dim=32, num_attention_heads=4,
+            num_shared_heads=[4, 2, 2, 1, 2, 0],
+            top_k=[0, 1, 1, 2, 1, 2],
+        ),
+        "DiT-Tiny": dict(
+            sample_size=32, in_channels=3, learn_sigma=True, num_classes=10, class_dropout_prob=0.1,
+            patch_size=2, num_layers=6, hidden_size=128, attention_head_dim=32, num_attention_heads=4,
+        ),
+    }
+)
+
+
+def get_preset(name: str, **overrides: Any) -> dict[str, Any]:
+    """Return a fresh copy of preset ``name`` with ``overrides`` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"Unknown preset {name!r}. Known presets: {', '.join(PRESETS)}.")
+    config = copy.deepcopy(PRESETS[name])
+    config.update(overrides)
+    return config
+
+
+def _per_layer(value: int | Sequence[int] | None, num_layers: int, name: str) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return [value] * num_layers
+    value = [int(v) for v in value]
+    if len(value) != num_layers:
+        raise ValueError(f"{name} has {len(value)} entries but num_layers={num_layers}; give one per layer or an int.")
+    return value
+
+
+def resolve_layer_layout(
+    num_layers: int,
+    num_attention_heads: int | Sequence[int],
+    num_shared_heads: int | Sequence[int] | None,
+    top_k: int | Sequence[int] | None,
+) -> tuple[list[int], list[int] | None, list[int] | None]:
+    """Expand per-layer head settings to lists and validate them.
+
+    Returns ``(heads, shared, top_k)``; ``shared`` and ``top_k`` are None for a dense DiT.
+    """
+    heads = _per_layer(num_attention_heads, num_layers, "num_attention_heads")
+    shared = _per_layer(num_shared_heads, num_layers, "num_shared_heads")
+    k = _per_layer(top_k, num_layers, "top_k")
+    if (shared is None) != (k is None):
+        raise ValueError(
+            "num_shared_heads and top_k must be given together (MoH) or both be None (dense DiT); "
+            f"got num_shared_heads={num_shared_heads!r}, top_k={top_k!r}."
+        )
+    if shared is None:
+        return heads, None, None
+    for i, (h, hs, kk) in enumerate(zip(heads, shared, k)):
+        routed = h - hs
+        if not 0 <= hs <= h:
+            raise ValueError(f"Layer {i}: num_shared_heads={hs} must be in [0, num_attention_heads={h}].")
+        if not 0 <= kk <= routed:
+            raise ValueError(f"Layer {i}: top_k={kk} must be in [0, routed heads={routed}] (h={h}, shared={hs}).")
+        if routed > 0 and kk == 0:
+            raise ValueError(
+                f"Layer {i}: {routed} routed heads but top_k=0, so they could never be used; "
+                "set top_k >= 1 or make every head shared."
+            )
+    return heads, shared, k
+
+
+def head_activation_ratio_of_config(config: dict[str, Any]) -> float:
+    """Head-weighted activation ``sum (hs + K) / sum h`` of a model config (1.0 for dense DiT)."""
+    heads, shared, k = resolve_layer_layout(
+        config["num_layers"], config["num_attention_heads"], config.get("num_shared_heads"), config.get("top_k")
+    )
+    if shared is None:
+        return 1.0
+    return sum(s + kk for s, kk in zip(shared, k)) / sum(heads)

@@ -1,0 +1,144 @@
+"""Checkpoint conversion: release pickles, bare state dicts, diffusers DiT folders, the CLI."""
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import DiTTransformer2DModel
+from diffusers.models.embeddings import Timesteps
+
+from moh_dit import MoHDiTTransformer2DModel
+from moh_dit.convert import ConversionError, convert_checkpoint, model_to_release_state_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "convert_checkpoint.py"
+
+
+def _inputs(model, batch=2):
+    gen = torch.Generator().manual_seed(0)
+    s = model.config.sample_size
+    return (torch.randn(batch, model.config.in_channels, s, s, generator=gen), torch.tensor([3, 700]),
+            torch.tensor([1, model.config.num_classes]))
+
+
+def _release_checkpoint(path, randomize, preset="MoH-DiT-Tiny", **overrides):
+    ema = randomize(MoHDiTTransformer2DModel.from_preset(preset, **overrides), seed=1).eval()
+    raw = randomize(MoHDiTTransformer2DModel.from_preset(preset, **overrides), seed=2).eval()
+    torch.save({"model": model_to_release_state_dict(raw), "ema": model_to_release_state_dict(ema),
+                "opt": {"state": {}}, "args": argparse.Namespace(model="DiT-XL/2", image_size=256)}, path)
+    return ema, raw
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_converts_release_pickle(tmp_path, randomize):
+    ema, raw = _release_checkpoint(tmp_path / "0000100.pt", randomize, sample_size=8)
+    res = _run("--checkpoint", tmp_path / "0000100.pt", "--preset", "MoH-DiT-Tiny", "--output", tmp_path / "out")
+    assert res.returncode == 0, res.stderr
+    model = MoHDiTTransformer2DModel.from_pretrained(tmp_path / "out").eval()
+    assert model.config.sample_size == 8 and model.config.num_classes == 10  # read from the checkpoint
+    x, t, y = _inputs(model)
+    assert torch.equal(model(x, t, y).sample, ema(x, t, y).sample)
+    other = convert_checkpoint(tmp_path / "0000100.pt", "MoH-DiT-Tiny", weights="model")
+    assert torch.equal(other(x, t, y).sample, raw(x, t, y).sample)
+
+
+def test_bare_state_dict_with_ddp_prefix(tmp_path, randomize):
+    model = randomize(MoHDiTTransformer2DModel.from_preset("DiT-Tiny", sample_size=8)).eval()
+    torch.save({f"module.{k}": v for k, v in model_to_release_state_dict(model).items()}, tmp_path / "dit.pt")
+    converted = convert_checkpoint(tmp_path / "dit.pt", "DiT-Tiny")
+    x, t, y = _inputs(model)
+    assert torch.equal(converted(x, t, y).sample, model(x, t, y).sample)
+
+
+def test_wrong_preset_is_refused_and_nothing_written(tmp_path, randomize):
+    _release_checkpoint(tmp_path / "ckpt.pt", randomize, sample_size=8)
+    res = _run("--checkpoint", tmp_path / "ckpt.pt", "--preset", "DiT-Tiny", "--output", tmp_path / "out")
+    assert res.returncode != 0
+    assert "unexpected" in res.stderr and "blocks.1.attn.wg.weight" in res.stderr
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    with pytest.raises(ConversionError, match="wrong shape"):
+        convert_checkpoint(tmp_path / "ckpt.pt", "MoH-DiT-Tiny", num_classes=5)
+
+
+def test_missing_and_misshaped_keys_are_named(tmp_path, randomize):
+    model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8))
+    sd = model_to_release_state_dict(model)
+    del sd["blocks.2.attn.wg_0.weight"]
+    sd["blocks.3.mlp.fc1.weight"] = sd["blocks.3.mlp.fc1.weight"][:10]
+    torch.save(sd, tmp_path / "bad.pt")
+    with pytest.raises(ConversionError) as err:
+        convert_checkpoint(tmp_path / "bad.pt", "MoH-DiT-Tiny")
+    assert "blocks.2.attn.wg_0.weight" in str(err.value) and "blocks.3.mlp.fc1.weight" in str(err.value)
+
+
+def test_pos_embed_mismatch_refused(tmp_path, randomize):
+    model = randomize(MoHDiTTransformer2DModel.from_preset("DiT-Tiny", sample_size=8))
+    sd = model_to_release_state_dict(model)
+    sd["pos_embed"] = sd["pos_embed"].flip(1)
+    torch.save(sd, tmp_path / "p.pt")
+    with pytest.raises(ConversionError, match="positional embedding"):
+        convert_checkpoint(tmp_path / "p.pt", "DiT-Tiny")
+
+
+def test_missing_ema_and_missing_file(tmp_path, randomize):
+    model = randomize(MoHDiTTransformer2DModel.from_preset("DiT-Tiny", sample_size=8))
+    torch.save({"model": model_to_release_state_dict(model)}, tmp_path / "c.pt")
+    with pytest.raises(ConversionError, match="no 'ema' weights"):
+        convert_checkpoint(tmp_path / "c.pt", "DiT-Tiny")
+    res = _run("--checkpoint", tmp_path / "nope.pt", "--preset", "DiT-Tiny", "--output", tmp_path / "o")
+    assert res.returncode != 0 and "does not exist" in res.stderr
+
+
+def _diffusers_dit(randomize):
+    dit = DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=32, in_channels=3, out_channels=6,
+                                num_layers=6, sample_size=8, num_embeds_ada_norm=10)
+    randomize(dit)
+    emb0 = dit.transformer_blocks[0].norm1.emb.state_dict()
+    for block in dit.transformer_blocks[1:]:
+        block.norm1.emb.load_state_dict(emb0)  # a converted DiT holds identical copies
+    return dit.eval()
+
+
+def test_diffusers_dit_folder_folds_embedders(tmp_path, randomize):
+    dit = _diffusers_dit(randomize)
+    dit.save_pretrained(tmp_path / "pipe" / "transformer")
+    (tmp_path / "pipe" / "model_index.json").write_text('{"_class_name": "DiTPipeline"}')
+    model = convert_checkpoint(tmp_path / "pipe", "DiT-Tiny", output=tmp_path / "out")
+    assert MoHDiTTransformer2DModel.from_pretrained(tmp_path / "out").config.num_classes == 10
+    x, t, y = _inputs(model)
+    ours = model(x, t, y).sample
+    theirs = dit(x, t, y).sample
+    # Different by design: diffusers' timestep frequencies (shift 1) and norm eps 1e-5.
+    assert (ours - theirs).abs().max() > 1e-6
+    # With diffusers' embedding and eps set to the original DiT's, folding is exact.
+    for block in dit.transformer_blocks:
+        block.norm1.emb.time_proj = Timesteps(256, True, 0)
+        block.norm3.eps = 1e-6
+    assert (model(x, t, y).sample - dit(x, t, y).sample).abs().max() <= 1e-5
+
+
+def test_diffusers_divergent_embedders_refused(tmp_path, randomize):
+    dit = _diffusers_dit(randomize)
+    with torch.no_grad():
+        dit.transformer_blocks[3].norm1.emb.class_embedder.embedding_table.weight.add_(0.01)
+    dit.save_pretrained(tmp_path / "t")
+    with pytest.raises(ConversionError, match="differ between blocks"):
+        convert_checkpoint(tmp_path / "t", "DiT-Tiny")
+    convert_checkpoint(tmp_path / "t", "DiT-Tiny", allow_divergent_embeddings=True)
+    with pytest.raises(ConversionError, match="dense preset"):
+        convert_checkpoint(tmp_path / "t", "MoH-DiT-Tiny")
+
+
+def test_existing_output_is_not_clobbered(tmp_path, randomize):
+    _release_checkpoint(tmp_path / "ckpt.pt", randomize, sample_size=8)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError):
+        convert_checkpoint(tmp_path / "ckpt.pt", "MoH-DiT-Tiny", output=tmp_path / "out")
+    assert (tmp_path / "out" / "keep.txt").exists()
