@@ -97,7 +97,7 @@ def test_missing_ema_and_missing_file(tmp_path, randomize):
 
 def _diffusers_dit(randomize):
     dit = DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=32, in_channels=3, out_channels=6,
-                                num_layers=6, sample_size=8, num_embeds_ada_norm=10)
+                                num_layers=6, sample_size=8, patch_size=4, num_embeds_ada_norm=10)
     randomize(dit)
     emb0 = dit.transformer_blocks[0].norm1.emb.state_dict()
     for block in dit.transformer_blocks[1:]:

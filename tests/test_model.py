@@ -201,7 +201,7 @@ def test_paper_gate_mode_matches_reference(randomize):
 
 def test_pos_embed_and_timestep_embedding_follow_dit(randomize):
     model = MoHDiTTransformer2DModel.from_preset("DiT-Tiny")
-    table = dit_pos_embed(128, 16)
+    table = dit_pos_embed(128, 8)
     assert np.abs(model.pos_embed.pos_embed[0].numpy() - table).max() < 1e-5
     t = torch.tensor([0, 1, 17, 999])
     freqs = torch.exp(-math.log(10000.0) * torch.arange(128, dtype=torch.float64) / 128)
@@ -442,8 +442,8 @@ def test_bf16_forward_close_to_fp32(randomize):
     "change, message",
     [
         (lambda x, t, y: (x[:, :2], t, y), "expects in_channels=3"),
-        (lambda x, t, y: (x[..., :7, :7], t, y), "not divisible by patch_size=2"),
-        (lambda x, t, y: (x[..., :6], t, y), "square"),
+        (lambda x, t, y: (x[..., :6, :6], t, y), "not divisible by patch_size=4"),
+        (lambda x, t, y: (x[..., :4], t, y), "square"),
         (lambda x, t, y: (x, t, torch.tensor([0, 11, 2])), r"allowed \[0, 10\]"),
         (lambda x, t, y: (x, t, torch.tensor([0, -1, 2])), "out of range"),
         (lambda x, t, y: (x, t, y[:2]), "class_labels must have shape"),

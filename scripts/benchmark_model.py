@@ -1,0 +1,119 @@
+"""Forward time of MoH-DiT vs diffusers' DiTTransformer2DModel of the same size, in one run.
+
+    python scripts/benchmark_model.py --size S --batch-size 4 --repeats 7
+
+Timings are interleaved (one call of each model per round) and the median is reported,
+as ratios to diffusers' DiT, because a shared machine's speed drifts between runs.
+Weights are random (the speed does not depend on them); routers are random too, so
+routed heads are picked roughly uniformly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from diffusers import DiTTransformer2DModel
+
+from moh_dit import MoHDiTTransformer2DModel
+from moh_dit.presets import PRESETS
+
+
+def diffusers_dit(preset: str) -> DiTTransformer2DModel:
+    cfg = PRESETS[preset]
+    return DiTTransformer2DModel(
+        num_attention_heads=cfg["num_attention_heads"], attention_head_dim=cfg["attention_head_dim"],
+        in_channels=cfg["in_channels"], out_channels=2 * cfg["in_channels"], num_layers=cfg["num_layers"],
+        sample_size=cfg["sample_size"], patch_size=cfg["patch_size"], num_embeds_ada_norm=cfg["num_classes"],
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(size: str = "S", batch_size: int = 4, repeats: int = 7, device: str | None = None, dtype: str = "float32") -> dict:
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dt = getattr(torch, dtype)
+    torch.manual_seed(0)
+    models = {f"diffusers DiT-{size}/2": diffusers_dit(f"DiT-{size}/2"), f"moh-dit DiT-{size}/2": None}
+    models[f"moh-dit DiT-{size}/2"] = MoHDiTTransformer2DModel.from_preset(f"DiT-{size}/2")
+    for suffix in ("90", "75"):
+        name = f"MoH-DiT-{size}/2-{suffix}"
+        models[name] = MoHDiTTransformer2DModel.from_preset(name)
+        if hasattr(models[name], "set_sparse_inference"):
+            dense = MoHDiTTransformer2DModel.from_preset(name)
+            dense.load_state_dict(models[name].state_dict())
+            dense.set_sparse_inference(False)
+            models[name + " (dense-masked)"] = dense
+            models[name].set_sparse_inference(True)
+            models[name + " (head-sparse)"] = models.pop(name)
+    for m in models.values():
+        for p in m.parameters():  # non-zero adaLN/output so nothing short-circuits
+            torch.nn.init.normal_(p, std=0.02)
+        m.to(dev).eval()
+        if dt != torch.float32:
+            m.to(dt)
+    cfg = PRESETS[f"DiT-{size}/2"]
+    x = torch.randn(batch_size, cfg["in_channels"], cfg["sample_size"], cfg["sample_size"], device=dev, dtype=dt)
+    t = torch.randint(0, 1000, (batch_size,), device=dev)
+    y = torch.randint(0, cfg["num_classes"], (batch_size,), device=dev)
+    times: dict[str, list[float]] = {k: [] for k in models}
+    with torch.inference_mode():
+        for m in models.values():  # warm-up
+            m(x, t, y)
+        for _ in range(repeats):
+            for name, m in models.items():
+                _sync(dev)
+                start = time.perf_counter()
+                m(x, t, y)
+                _sync(dev)
+                times[name].append(time.perf_counter() - start)
+    base = statistics.median(times[f"diffusers DiT-{size}/2"])
+    rows = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        act = getattr(models[name], "head_activation_ratio", 1.0)
+        rows.append(dict(model=name, median_ms=med * 1e3, ratio_to_diffusers=med / base, head_activation=act))
+    return dict(
+        rows=rows, size=size, batch_size=batch_size, repeats=repeats, device=str(dev), dtype=dtype,
+        machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads)" + (f", {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else ""),
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=["S", "B", "L", "XL"], default="S")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--json", default=None, help="also write the table as JSON here")
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args.size, args.batch_size, args.repeats, args.device, args.dtype)
+    print(f"{result['machine']} | {result['device']} {result['dtype']} | batch {result['batch_size']}, 32x32x4 latents, "
+          f"median of {result['repeats']} interleaved runs")
+    print(f"{'model':<40} {'ms':>9} {'vs diffusers':>13} {'heads on':>9}")
+    for r in result["rows"]:
+        print(f"{r['model']:<40} {r['median_ms']:>9.1f} {r['ratio_to_diffusers']:>12.3f}x {r['head_activation']:>9.4f}")
+    if args.json:
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(tmp, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))
