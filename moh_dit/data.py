@@ -1,0 +1,416 @@
+"""Image data for MoH-DiT training: ImageFolder dataset with ADM preprocessing, resumable sampler.
+
+Preprocessing is DiT's (itself ADM's): ``center_crop_arr`` (box-halve, bicubic resize of
+the short side, centre crop), a horizontal flip with probability 1/2, scaling to [-1, 1].
+
+Randomness is a pure function of ``(seed, epoch, index)`` -- the flip of image ``i`` in
+epoch ``e`` is the same in every run, in any DataLoader worker, for any batch size or
+number of processes -- so a resumed run sees exactly the data it would have seen.
+:class:`ResumableSampler` yields ``(index, epoch)`` pairs, which the datasets here accept
+as keys, so the epoch travels with the index into the workers (a dataset attribute set in
+the main process would not reach persistent workers).
+
+Saving and restoring the data position (the whole of it is one integer)::
+
+    sampler = ResumableSampler(len(dataset), num_replicas=world, rank=rank, seed=seed)
+    loader = DataLoader(dataset, batch_size=b, sampler=sampler, num_workers=8)
+    sampler.load_state_dict(ckpt["sampler"])     # on resume, before iter(loader)
+    for batch in loader:                         # infinite: stop by step count
+        ...train step...
+        sampler.advance(b)                       # samples this process consumed
+        if save_now: ckpt["sampler"] = sampler.state_dict()
+
+With accelerate, build the DataLoader as above and do not pass it to
+``accelerator.prepare`` (which would shard the already sharded stream again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Sized
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset, Sampler, default_collate
+
+__all__ = [
+    "IMG_EXTENSIONS",
+    "CorruptImageError",
+    "ImageFolderDataset",
+    "ResumableSampler",
+    "center_crop_arr",
+    "collate_skip_corrupt",
+    "find_image_folder",
+    "flip_for",
+    "item_rng",
+    "load_class_index",
+    "load_image",
+    "image_to_tensor",
+    "write_class_index",
+    "write_json_atomic",
+]
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+ON_CORRUPT = ("error", "skip")
+
+# Independent random streams drawn from the same (seed, epoch, index) key.
+_FLIP_STREAM = 0
+_NOISE_STREAM = 1
+
+
+# --------------------------------------------------------------------------------------
+# Per-item randomness
+# --------------------------------------------------------------------------------------
+
+
+def item_rng(seed: int, epoch: int, index: int, stream: int) -> np.random.Generator:
+    """A generator owned by one (seed, epoch, index, stream): reproducible anywhere.
+
+    NumPy's SeedSequence hashes the whole key, so neighbouring keys give unrelated streams
+    (unlike ``seed + epoch``, where seed 0 epoch 1 would equal seed 1 epoch 0).
+    """
+    return np.random.default_rng([int(seed), int(epoch), int(index), int(stream)])
+
+
+def flip_for(seed: int, epoch: int, index: int) -> bool:
+    """Whether sample ``index`` is horizontally flipped in ``epoch`` (probability 1/2)."""
+    return bool(item_rng(seed, epoch, index, _FLIP_STREAM).random() < 0.5)
+
+
+def _split_key(key: Any, default_epoch: int) -> tuple[int, int]:
+    """Dataset keys are an index, or an ``(index, epoch)`` pair from ResumableSampler."""
+    if isinstance(key, (tuple, list)):
+        index, epoch = key
+        return int(index), int(epoch)
+    return int(key), default_epoch
+
+
+# --------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON to a temporary file beside ``path`` and rename it over ``path``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_class_index(class_to_idx: dict[str, int], path: str | os.PathLike) -> None:
+    """Save the class-folder -> label map as JSON (``{"red_circle": 0, ...}``), atomically."""
+    write_json_atomic(path, dict(sorted(class_to_idx.items(), key=lambda kv: kv[1])))
+
+
+def load_class_index(path: str | os.PathLike) -> dict[str, int]:
+    with open(path, encoding="utf-8") as f:
+        return {str(k): int(v) for k, v in json.load(f).items()}
+
+
+def find_image_folder(root: str | os.PathLike) -> tuple[list[str], dict[str, int], list[tuple[str, int]]]:
+    """Scan an ImageFolder tree: ``root/<class>/**/<image>``.
+
+    Returns ``(classes, class_to_idx, samples)`` with classes sorted by name (labels 0..K-1
+    in that order, as torchvision's ImageFolder) and ``samples`` a sorted list of
+    ``(path, label)``. Hidden folders and files (names starting with ".") are ignored.
+    Raises ValueError, naming the problem, when the root is missing, has no class
+    folders, or a class folder holds no image -- before any image is decoded.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"data directory {str(root)!r} does not exist or is not a directory")
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        raise ValueError(
+            f"data directory {str(root)!r} has no class subfolders; expected the ImageFolder layout "
+            f"root/<class_name>/<image>.png (e.g. scripts/make_demo_dataset.py writes one)"
+        )
+    class_to_idx = {name: i for i, name in enumerate(classes)}
+    samples: list[tuple[str, int]] = []
+    empty: list[str] = []
+    for name in classes:
+        found = []
+        for dirpath, dirnames, filenames in os.walk(root / name, followlinks=True):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            for fname in sorted(filenames):
+                if not fname.startswith(".") and fname.lower().endswith(IMG_EXTENSIONS):
+                    found.append(os.path.join(dirpath, fname))
+        if not found:
+            empty.append(name)
+        samples.extend((path, class_to_idx[name]) for path in sorted(found))
+    if empty:
+        shown = ", ".join(repr(c) for c in empty[:5]) + (" ..." if len(empty) > 5 else "")
+        raise ValueError(
+            f"{len(empty)} of {len(classes)} class folders in {str(root)!r} contain no images "
+            f"(extensions {', '.join(IMG_EXTENSIONS)}): {shown}. Remove them or add images; "
+            f"an empty class would get a label the model never sees."
+        )
+    return classes, class_to_idx, samples
+
+
+# --------------------------------------------------------------------------------------
+# Images
+# --------------------------------------------------------------------------------------
+
+
+class CorruptImageError(OSError):
+    """An image file that cannot be decoded; the message names the file."""
+
+
+def load_image(path: str | os.PathLike) -> Image.Image:
+    """Open and fully decode an image as RGB, or raise CorruptImageError naming the file."""
+    try:
+        with Image.open(path) as img:
+            # convert() forces the full decode, so truncated files fail here, not later.
+            return img.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        raise CorruptImageError(
+            f"cannot read image {str(path)!r}: {type(err).__name__}: {err}. Replace or delete the "
+            f"file, or pass on_corrupt='skip' to leave such images out."
+        ) from err
+
+
+def center_crop_arr(pil_image: Image.Image, image_size: int) -> Image.Image:
+    """ADM's centre crop, as used by DiT for ImageNet.
+
+    Halve with a BOX filter while the short side is at least twice ``image_size`` (cheap,
+    alias-free downscaling), then BICUBIC-resize so the short side is ``image_size``, then
+    crop the centre square. Keeping this exact matters: FID is sensitive to resizing.
+    """
+    while min(*pil_image.size) >= 2 * image_size:
+        pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
+    scale = image_size / min(*pil_image.size)
+    pil_image = pil_image.resize(tuple(round(x * scale) for x in pil_image.size), resample=Image.BICUBIC)
+    arr = np.asarray(pil_image)
+    top = (arr.shape[0] - image_size) // 2
+    left = (arr.shape[1] - image_size) // 2
+    return Image.fromarray(arr[top : top + image_size, left : left + image_size])
+
+
+def image_to_tensor(img: Image.Image) -> torch.Tensor:
+    """uint8 RGB image -> float32 (3, H, W) in [-1, 1].
+
+    Same operations as torchvision's ToTensor + Normalize(0.5, 0.5) (divide by 255, then
+    (x - 0.5) / 0.5), so the values are bit-identical to DiT's pipeline.
+    """
+    arr = torch.from_numpy(np.array(img, dtype=np.uint8, copy=True)).permute(2, 0, 1)
+    return (arr.float().div(255.0) - 0.5) / 0.5
+
+
+# --------------------------------------------------------------------------------------
+# Dataset
+# --------------------------------------------------------------------------------------
+
+
+class ImageFolderDataset(Dataset):
+    """Class-conditional images from an ImageFolder tree, with DiT's preprocessing.
+
+    Args:
+        root: folder with one subfolder per class (labels follow sorted folder names).
+        image_size: output resolution (square), e.g. 256.
+        random_flip: flip horizontally with probability 1/2, decided by
+            ``flip_for(seed, epoch, index)``.
+        seed: seed of the flips.
+        on_corrupt: ``"error"`` (default) raises CorruptImageError naming the file;
+            ``"skip"`` warns and returns None for that item -- use
+            :func:`collate_skip_corrupt` to drop such items from batches.
+
+    Items are ``(image, label)``: float32 (3, image_size, image_size) in [-1, 1] and an int.
+    Keys are an index (epoch from :meth:`set_epoch`) or an ``(index, epoch)`` pair.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        image_size: int,
+        *,
+        random_flip: bool = True,
+        seed: int = 0,
+        on_corrupt: str = "error",
+    ):
+        if on_corrupt not in ON_CORRUPT:
+            raise ValueError(f"on_corrupt must be one of {ON_CORRUPT}, got {on_corrupt!r}")
+        if image_size < 1:
+            raise ValueError(f"image_size must be positive, got {image_size}")
+        self.root = str(root)
+        self.image_size = int(image_size)
+        self.random_flip = random_flip
+        self.seed = int(seed)
+        self.on_corrupt = on_corrupt
+        self.classes, self.class_to_idx, self.samples = find_image_folder(root)
+        self.targets = [label for _, label in self.samples]
+        self.epoch = 0
+        self.num_skipped = 0  # per process; with DataLoader workers count None items instead
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch used for plain integer keys (pairs from ResumableSampler carry their own)."""
+        self.epoch = int(epoch)
+
+    def write_class_index(self, path: str | os.PathLike) -> None:
+        write_class_index(self.class_to_idx, path)
+
+    def load(self, index: int, flip: bool = False) -> torch.Tensor:
+        """The preprocessed image ``index`` with an explicit flip; raises CorruptImageError."""
+        img = center_crop_arr(load_image(self.samples[index][0]), self.image_size)
+        if flip:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return image_to_tensor(img)
+
+    def flip(self, index: int, epoch: int) -> bool:
+        return self.random_flip and flip_for(self.seed, epoch, index)
+
+    def __getitem__(self, key):
+        index, epoch = _split_key(key, self.epoch)
+        try:
+            image = self.load(index, self.flip(index, epoch))
+        except CorruptImageError as err:
+            if self.on_corrupt == "error":
+                raise
+            self.num_skipped += 1
+            warnings.warn(f"skipping: {err}", stacklevel=2)
+            return None
+        return image, self.samples[index][1]
+
+
+def collate_skip_corrupt(batch: list) -> Any:
+    """default_collate after dropping the None items a dataset returns for skipped images.
+
+    The batch can then be shorter than batch_size; the caller counts the difference.
+    """
+    kept = [item for item in batch if item is not None]
+    if not kept:
+        raise CorruptImageError(f"every image of a batch of {len(batch)} was unreadable; check the dataset")
+    return default_collate(kept)
+
+
+# --------------------------------------------------------------------------------------
+# Sampler
+# --------------------------------------------------------------------------------------
+
+
+class ResumableSampler(Sampler):
+    """Infinite, seeded, distributed-aware sample order that resumes exactly.
+
+    The global order is one endless stream: the permutation of epoch 0, then that of
+    epoch 1, ... (each drawn from ``(seed, epoch)``; identity when ``shuffle=False``).
+    Process ``rank`` of ``num_replicas`` takes stream positions ``p, p + R, p + 2R, ...``
+    from the current position ``p + rank``. Batches may straddle an epoch boundary; there
+    is no padding and nothing is dropped. The data position is the number of stream
+    elements consumed by all processes together, so a run resumed with another number of
+    processes still continues the same global order.
+
+    Yields ``(index, epoch)`` pairs (both datasets of this package take them as keys).
+    Call :meth:`advance` with the number of samples this process consumed after each
+    step, save :meth:`state_dict` with the checkpoint, and :meth:`load_state_dict` before
+    creating the DataLoader iterator on resume (an iterator starts at the position current
+    when it is created; DataLoader prefetching does not move the position).
+    """
+
+    def __init__(
+        self,
+        num_samples: int | Sized,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
+        n = num_samples if isinstance(num_samples, int) else len(num_samples)
+        if n < 1:
+            raise ValueError(f"cannot sample from an empty dataset (num_samples={n})")
+        if num_replicas is None or rank is None:
+            dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if num_replicas is None:
+                num_replicas = torch.distributed.get_world_size() if dist else 1
+            if rank is None:
+                rank = torch.distributed.get_rank() if dist else 0
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"need num_replicas >= 1 and 0 <= rank < num_replicas, got {num_replicas}, {rank}")
+        self.num_samples = n
+        self.num_replicas = int(num_replicas)
+        self.rank = int(rank)
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.position = 0
+        self._perm_cache: tuple[int, np.ndarray] | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.num_samples
+
+    @property
+    def offset(self) -> int:
+        """Position inside the current epoch's permutation (global, all processes)."""
+        return self.position % self.num_samples
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The order of epoch ``epoch``: a permutation of range(num_samples)."""
+        if self._perm_cache is not None and self._perm_cache[0] == epoch:
+            return self._perm_cache[1]
+        if self.shuffle:
+            perm = np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_samples)
+        else:
+            perm = np.arange(self.num_samples)
+        self._perm_cache = (epoch, perm)
+        return perm
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        position = self.position + self.rank
+        while True:
+            epoch, offset = divmod(position, self.num_samples)
+            yield int(self.permutation(epoch)[offset]), epoch
+            position += self.num_replicas
+
+    def advance(self, num_samples_this_process: int) -> None:
+        """Record that every process consumed ``num_samples_this_process`` more samples."""
+        self.position += int(num_samples_this_process) * self.num_replicas
+
+    def set_position(self, epoch: int, offset: int = 0) -> None:
+        """Start at ``offset`` (global count) inside ``epoch``."""
+        if not 0 <= offset < self.num_samples:
+            raise ValueError(f"offset must be in [0, {self.num_samples}), got {offset}")
+        self.position = int(epoch) * self.num_samples + int(offset)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start at the beginning of ``epoch`` (DistributedSampler-style)."""
+        self.set_position(epoch, 0)
+
+    def state_dict(self) -> dict[str, int | bool]:
+        return {
+            "position": self.position,
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the position; refuses a state from another dataset size, seed or shuffle."""
+        for key in ("num_samples", "seed", "shuffle"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state has {key}={state[key]!r} but this sampler has {key}={getattr(self, key)!r}; "
+                    f"resume with the same dataset and seed, or start a fresh data order"
+                )
+        self.position = int(state["position"])

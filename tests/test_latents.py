@@ -1,0 +1,201 @@
+import importlib.util
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKL
+from PIL import Image
+
+import moh_dit.latents as latents_mod
+from moh_dit.data import CorruptImageError, ImageFolderDataset, flip_for
+from moh_dit.latents import LatentDataset, encode_distribution, extract_latents, load_vae
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "extract_latents.py"
+SIZE = 32  # image size; the tiny VAE downsamples by 8 -> 4x4 latents
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("extract_latents_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    # The tiny VAE's convolutions are microseconds each; OpenMP's per-op thread hand-off
+    # costs more than that and degrades badly when other processes share the cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def vae_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=SIZE,
+    )
+    path = tmp_path_factory.mktemp("vae") / "tiny-vae"
+    vae.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("images") / "data"
+    rng = np.random.default_rng(0)
+    for c, cls in enumerate(["dog", "cat", "bird"]):
+        for i in range(3 if c else 2):
+            # Non-square, larger than SIZE: the centre crop and bicubic resize both matter.
+            h, w = rng.integers(36, 60, size=2)
+            (root / cls).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / cls / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def cache(vae_dir, image_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cache") / "latents"
+    script = _load_script()
+    args = script.parse_args(
+        ["--data-dir", str(image_dir), "--vae", str(vae_dir), "--image-size", str(SIZE), "--output-dir", str(out),
+         "--batch-size", "2", "--shard-size", "3", "--num-workers", "0", "--device", "cpu"]
+    )
+    script.main(args)
+    return out
+
+
+def test_cache_layout_and_dataset(cache, image_dir, vae_dir):
+    index = json.loads((cache / "index.json").read_text())
+    images = ImageFolderDataset(image_dir, SIZE)
+    assert index["num_samples"] == len(images) == 8
+    assert index["latent_shape"] == [4, 4, 4] and index["dtype"] == "float32"
+    assert index["classes"] == ["bird", "cat", "dog"] and index["class_to_idx"] == images.class_to_idx
+    assert index["scaling_factor"] == pytest.approx(0.18215) and index["vae"] == str(vae_dir)
+    assert [s["count"] for s in index["shards"]] == [3, 3, 2]
+    assert json.loads((cache / "files.json").read_text()) == [str(Path(p).relative_to(image_dir)) for p, _ in images.samples]
+    shard = np.load(cache / "shard_00000.npy", mmap_mode="r")
+    assert isinstance(shard, np.memmap) and shard.shape == (3, 2, 2, 4, 4, 4)
+    # Only the finished files remain: no markers, temporaries or partial folder.
+    assert sorted(p.name for p in cache.iterdir()) == ["files.json", "index.json", "labels.npy"] + [
+        f"shard_0000{k}.npy" for k in range(3)
+    ]
+    assert sorted(p.name for p in cache.parent.iterdir()) == ["latents"]
+
+    ds = LatentDataset(cache)
+    assert len(ds) == 8 and ds.num_classes == 3
+    latent, label = ds[5]
+    assert latent.shape == (4, 4, 4) and latent.dtype == torch.float32
+    assert [ds[i][1] for i in range(8)] == images.targets
+    assert torch.equal(ds[(5, 2)][0], ds[(5, 2)][0])
+    assert not torch.equal(ds[(5, 2)][0], ds[(5, 3)][0])
+    # Memory maps are not pickled into DataLoader workers.
+    assert len(pickle.dumps(ds)) < 10_000 and ds._shards is not None
+    with pytest.raises(IndexError):
+        ds.stats(8, False)
+
+
+def test_cache_equals_on_the_fly_encoding(cache, image_dir, vae_dir):
+    vae = load_vae(vae_dir)
+    images = ImageFolderDataset(image_dir, SIZE, seed=11)
+    means = LatentDataset(cache, seed=11, sample_posterior=False)
+    for i in range(len(images)):
+        for flip in (False, True):
+            mean, std = encode_distribution(vae, images.load(i, flip)[None])
+            stored_mean, stored_std = means.stats(i, flip)
+            np.testing.assert_allclose(stored_mean, mean[0].numpy(), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(stored_std, std[0].numpy(), rtol=1e-5, atol=1e-5)
+        # The flip decision of the latent dataset is the image dataset's.
+        for epoch in range(3):
+            flip = flip_for(11, epoch, i)
+            expected = encode_distribution(vae, images[(i, epoch)][0][None])[0][0] * 0.18215
+            torch.testing.assert_close(means[(i, epoch)][0], expected, rtol=1e-5, atol=1e-5)
+            assert torch.equal(means[(i, epoch)][0], torch.from_numpy(means.stats(i, flip)[0] * np.float32(0.18215)))
+
+
+def test_sampled_latents_follow_the_stored_distribution(cache):
+    ds = LatentDataset(cache, random_flip=False, seed=0)
+    mean, std = ds.stats(3, False)
+    draws = torch.stack([ds[(3, epoch)][0] for epoch in range(3000)]).numpy()
+    n = draws.shape[0]
+    # Mean within 5 standard errors per element, std within 10%.
+    assert np.all(np.abs(draws.mean(0) - mean * 0.18215) < 5 * std * 0.18215 / np.sqrt(n))
+    np.testing.assert_allclose(draws.std(0), std * 0.18215, rtol=0.1)
+
+
+def test_corrupt_images(vae_dir, image_dir, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(image_dir, data)
+    (data / "cat" / "zz_broken.png").write_bytes(b"not an image at all")
+    out = tmp_path / "out"
+    # The error crosses a DataLoader worker and still names the file; no cache is created.
+    with pytest.raises(CorruptImageError, match="zz_broken.png"):
+        extract_latents(data, vae_dir, out, SIZE, batch_size=4, num_workers=1, device="cpu", progress=False)
+    assert not out.exists()
+    # Skipping resumes the same partial extraction (on_corrupt does not change finished shards).
+    extract_latents(data, vae_dir, out, SIZE, batch_size=4, num_workers=0, device="cpu", on_corrupt="skip", progress=False)
+    index = json.loads((out / "index.json").read_text())
+    assert index["num_skipped"] == 1 and index["skipped"] == ["cat/zz_broken.png"]
+    ds = LatentDataset(out)
+    assert len(ds) == 8 and [ds[i][1] for i in range(8)] == ImageFolderDataset(image_dir, SIZE).targets
+
+
+def test_empty_or_wrong_inputs_fail_before_work(tmp_path, cache, image_dir, vae_dir):
+    (tmp_path / "empty").mkdir()
+    # The folder is checked before the (here nonexistent) VAE is loaded.
+    with pytest.raises(ValueError, match="no class subfolders"):
+        extract_latents(tmp_path / "empty", tmp_path / "no-vae", tmp_path / "o", SIZE, progress=False)
+    with pytest.raises(FileExistsError, match="already exists"):
+        extract_latents(image_dir, vae_dir, cache, SIZE, progress=False)
+    with pytest.raises(ValueError, match="multiple of the VAE"):
+        extract_latents(image_dir, vae_dir, tmp_path / "o", 36, device="cpu", progress=False)
+    with pytest.raises(OSError, match="cannot load an AutoencoderKL"):
+        extract_latents(image_dir, tmp_path / "no-vae", tmp_path / "o", SIZE, device="cpu", progress=False)
+    with pytest.raises(ValueError, match="not a latent cache"):
+        LatentDataset(image_dir)
+
+
+def test_interrupted_extraction_resumes_by_shard(vae_dir, image_dir, tmp_path, monkeypatch):
+    out = tmp_path / "latents"
+    calls = []
+    real = latents_mod.encode_distribution
+
+    def flaky(vae, images):
+        calls.append(images.shape[0])
+        if len(calls) == 3:  # first batch of the second shard (2 batches per shard)
+            raise KeyboardInterrupt
+        return real(vae, images)
+
+    monkeypatch.setattr(latents_mod, "encode_distribution", flaky)
+    kwargs = dict(batch_size=2, shard_size=4, num_workers=0, device="cpu", progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        extract_latents(image_dir, vae_dir, out, SIZE, **kwargs)
+    partial = tmp_path / ".latents.partial"
+    assert not out.exists() and sorted(p.name for p in partial.iterdir()) == [
+        "progress.json", "shard_00000.json", "shard_00000.npy"
+    ]
+    # Other settings do not silently mix with the unfinished cache.
+    with pytest.raises(FileExistsError, match="unfinished extraction"):
+        extract_latents(image_dir, vae_dir, out, SIZE, **{**kwargs, "shard_size": 3})
+    calls.clear()
+    monkeypatch.setattr(latents_mod, "encode_distribution", lambda vae, images: (calls.append(1), real(vae, images))[1])
+    extract_latents(image_dir, vae_dir, out, SIZE, **kwargs)
+    assert len(calls) == 2 and not partial.exists()
+    # The resumed cache equals one made in a single go.
+    whole = extract_latents(image_dir, vae_dir, tmp_path / "whole", SIZE, **kwargs)
+    for k in range(2):
+        np.testing.assert_array_equal(np.load(out / f"shard_0000{k}.npy"), np.load(whole / f"shard_0000{k}.npy"))
