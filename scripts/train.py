@@ -1,0 +1,91 @@
+"""Train MoH-DiT or a dense DiT baseline with class-conditional diffusion (DiT's recipe).
+
+One CPU or GPU:   python scripts/train.py --preset MoH-DiT-Tiny --data-dir demo_data --vae none --image-size 32 \
+                      --output-dir runs/demo --max-steps 1500 --global-batch-size 32
+Many GPUs/nodes:  accelerate launch --multi_gpu --num_processes 8 scripts/train.py --preset MoH-DiT-XL/2-90 \
+                      --latents-dir imagenet_latents --output-dir runs/xl --global-batch-size 256
+To resume, run the same command again with --resume latest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moh_dit.presets import PRESETS
+from moh_dit.training import TrainConfig, TrainingDivergedError, train
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", required=True, choices=list(PRESETS), metavar="PRESET",
+                   help=f"model preset: {', '.join(PRESETS)}")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data-dir", help="ImageFolder: one sub-folder of images per class")
+    src.add_argument("--latents-dir", help="latent cache written by scripts/extract_latents.py")
+    p.add_argument("--vae", default="stabilityai/sd-vae-ft-ema",
+                   help="AutoencoderKL hub id or local folder, or 'none' for pixel space (default: %(default)s)")
+    p.add_argument("--vae-subfolder", default=None, help="subfolder of --vae holding the VAE (e.g. 'vae' of a pipeline)")
+    p.add_argument("--image-size", type=int, default=256)
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--max-steps", type=int, default=400_000)
+    p.add_argument("--global-batch-size", type=int, default=256)
+    p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this norm (default: off, as DiT)")
+    p.add_argument("--checkpoint-every", type=int, default=50_000)
+    p.add_argument("--checkpoints-total-limit", type=int, default=2, help="keep this many newest checkpoints (0: all)")
+    p.add_argument("--resume", default=None, help="'latest' or a checkpoint folder")
+    p.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no")
+    p.add_argument("--no-tf32", action="store_true", help="disable TF32 matmuls on Ampere+ GPUs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lb-coeff", type=float, default=0.01, help="weight of the MoH load-balance loss")
+    p.add_argument("--ema-decay", type=float, default=0.9999)
+    p.add_argument("--class-dropout", type=float, default=0.1, help="label dropout for classifier-free guidance")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--num-workers", type=int, default=4)
+    p.add_argument("--on-corrupt", choices=["error", "skip"], default="error",
+                   help="unreadable images: stop with the file name (default) or skip and count them")
+    p.add_argument("--no-flip", action="store_true", help="disable random horizontal flips")
+    p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--sample-every", type=int, default=0, help="save an EMA sample grid every N steps (0: off)")
+    p.add_argument("--sample-steps", type=int, default=50, help="DDPM steps of the monitoring grid")
+    p.add_argument("--report-to", choices=["tensorboard", "wandb", "none"], default="tensorboard")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        preset=args.preset, output_dir=args.output_dir, data_dir=args.data_dir, latents_dir=args.latents_dir,
+        vae=args.vae, vae_subfolder=args.vae_subfolder, image_size=args.image_size, max_steps=args.max_steps,
+        global_batch_size=args.global_batch_size, learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps, max_grad_norm=args.max_grad_norm, checkpoint_every=args.checkpoint_every,
+        checkpoints_total_limit=args.checkpoints_total_limit or None, resume=args.resume,
+        mixed_precision=args.mixed_precision, allow_tf32=not args.no_tf32, seed=args.seed, lb_coeff=args.lb_coeff,
+        ema_decay=args.ema_decay, class_dropout=args.class_dropout, gradient_checkpointing=args.gradient_checkpointing,
+        num_workers=args.num_workers, on_corrupt=args.on_corrupt, random_flip=not args.no_flip,
+        log_every=args.log_every, sample_every=args.sample_every, sample_steps=args.sample_steps,
+        report_to=args.report_to,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if args.dry_run:
+        cfg.validate()
+        print(json.dumps(cfg.__dict__, indent=2, default=str))
+        return 0
+    final = train(cfg)
+    print(f"Done. EMA model: {final}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(parse_args()))
+    except (ValueError, FileNotFoundError, OSError, TrainingDivergedError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
