@@ -233,6 +233,18 @@ def _save_checkpoint(accelerator, cfg: TrainConfig, step: int) -> Path:
     return final
 
 
+def _set_tf32(enabled: bool) -> None:
+    # torch >= 2.9 has per-backend fp32_precision switches, and mixing them with the old
+    # allow_tf32 flags raises; use the new ones where they exist.
+    mode = "tf32" if enabled else "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
 def train(cfg: TrainConfig) -> Path:
     """Train ``cfg.preset`` and return the folder of the exported EMA model (``OUT/final``)."""
     from accelerate import Accelerator
@@ -249,8 +261,7 @@ def train(cfg: TrainConfig) -> Path:
     device = accelerator.device
     out_dir = Path(cfg.output_dir)
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
-        torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
+        _set_tf32(cfg.allow_tf32)
     set_seed(cfg.seed, device_specific=True)
 
     # ---- data (validated before any model or VAE work)
@@ -345,7 +356,8 @@ def train(cfg: TrainConfig) -> Path:
         state.images_skipped += per_process - x.shape[0]  # unreadable images dropped (--on-corrupt skip)
         if vae is not None:
             with torch.no_grad():
-                x = vae.encode(x).latent_dist.sample() * scaling
+                shift = getattr(vae.config, "shift_factor", None) or 0.0
+                x = (vae.encode(x).latent_dist.sample() - shift) * scaling
         log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps
         t = diffusion.sample_timesteps(x.shape[0], device=device)
         noise = torch.randn_like(x)
