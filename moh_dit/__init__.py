@@ -10,6 +10,7 @@ from .transformer_moh_dit import (
     MoHRouting,
     top_k_for_ratio,
 )
+from .pipelines.pipeline_moh_dit import MoHDiTPipeline, MoHDiTPipelineOutput
 
 __version__ = "0.1.0"
 
@@ -24,4 +25,6 @@ __all__ = [
     "MoHDiTTransformer2DModelOutput",
     "MoHRouting",
     "top_k_for_ratio",
+    "MoHDiTPipeline",
+    "MoHDiTPipelineOutput",
 ]

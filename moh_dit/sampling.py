@@ -1,0 +1,351 @@
+"""Sampling at scale: per-index seeds, class balance, resumable PNG output, ADM ``.npz``.
+
+Image ``i`` of a run is a function of the run settings and ``i`` alone: its class label
+(:func:`class_labels_for`) and its seed (``seed + i``, which drives its initial noise and
+every DDPM step's noise through :class:`~moh_dit.MoHDiTPipeline`'s ``seeds``) do not depend
+on the batch size or on how many processes share the work. So a run can be spread over any
+number of devices, and to resume after a crash one runs the same command again: indices
+whose PNG exists are skipped (PNGs are written to a temporary name and renamed, so a PNG
+that exists is complete). The up-to-50k images are finally streamed into one ADM-format
+``.npz`` (``arr_0``, uint8 NHWC) without holding them in memory.
+
+``scripts/sample.py`` is the command-line front; everything here is callable from Python::
+
+    pipe = load_pipeline("moh-dit-xl-2-90", vae="stabilityai/sd-vae-ft-ema")
+    settings = SampleSettings(num_samples=50_000, guidance_scale=1.5, num_inference_steps=250)
+    sample_images(pipe, "samples/xl-90", settings, batch_size=32)
+    write_adm_npz("samples/xl-90", settings.num_samples)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import PIL.Image
+import torch
+from tqdm.auto import tqdm
+
+from .pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, MoHDiTPipeline, make_scheduler
+from .transformer_moh_dit import MoHDiTTransformer2DModel
+
+__all__ = [
+    "CLASS_LABEL_MODES",
+    "DTYPES",
+    "SampleSettings",
+    "class_labels_for",
+    "indices_for_rank",
+    "png_path",
+    "missing_indices",
+    "quantize_dit",
+    "save_png_atomic",
+    "write_json_atomic",
+    "write_adm_npz",
+    "load_pipeline",
+    "preview_head_activation",
+    "run_identity",
+    "check_or_write_settings",
+    "sample_images",
+]
+
+CLASS_LABEL_MODES = ("balanced", "uniform")
+SETTINGS_FILE = "sample_config.json"
+IMAGE_DIR = "samples"
+NPZ_FILE = "samples.npz"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SampleSettings:
+    """Everything that decides what image ``i`` looks like (besides the model).
+
+    ``num_samples`` is the size of the set; growing it later keeps the earlier images
+    (labels and seeds depend on the index only), so it is not part of the resume check.
+    """
+
+    num_samples: int = 50_000
+    guidance_scale: float = 1.5
+    guidance_channels: str = "dit"
+    num_inference_steps: int = 250
+    head_activation_ratio: float | None = None
+    seed: int = 0
+    class_labels: str = "balanced"
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}.")
+        if self.class_labels not in CLASS_LABEL_MODES:
+            raise ValueError(f"class_labels={self.class_labels!r}; choose one of {CLASS_LABEL_MODES}.")
+        if self.guidance_channels not in GUIDANCE_CHANNELS:
+            raise ValueError(f"guidance_channels={self.guidance_channels!r}; choose one of {GUIDANCE_CHANNELS}.")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0 (image i uses seed + i), got {self.seed}.")
+
+
+# --------------------------------------------------------------------------------------
+# Indices, labels, files
+# --------------------------------------------------------------------------------------
+
+
+def class_labels_for(indices: Iterable[int], num_classes: int, mode: str = "balanced", seed: int = 0) -> list[int]:
+    """Class label of each image index.
+
+    ``"balanced"``: ``i mod num_classes``, so 50k images give exactly 50 per class of
+    ImageNet and every block of ``num_classes`` consecutive images (each IS split of 5000)
+    is balanced too. ``"uniform"``: an independent uniform draw per index from
+    ``numpy.random.default_rng([seed, i])`` (DiT's sample_ddp.py draws labels uniformly).
+    """
+    if mode == "balanced":
+        return [int(i) % num_classes for i in indices]
+    if mode == "uniform":
+        return [int(np.random.default_rng([seed, int(i)]).integers(num_classes)) for i in indices]
+    raise ValueError(f"class label mode {mode!r}; choose one of {CLASS_LABEL_MODES}.")
+
+
+def indices_for_rank(num_samples: int, rank: int, world_size: int) -> list[int]:
+    """The indices process ``rank`` owns: ``i = rank (mod world_size)``. Ownership does not
+    depend on what exists on disk, so processes never race for an index after a resume."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, {world_size}).")
+    return list(range(rank, num_samples, world_size))
+
+
+def png_path(output: str | os.PathLike, index: int) -> Path:
+    return Path(output) / IMAGE_DIR / f"{index:06d}.png"
+
+
+def missing_indices(output: str | os.PathLike, indices: Iterable[int]) -> list[int]:
+    """The indices among ``indices`` that have no finished PNG yet."""
+    return [i for i in indices if not png_path(output, i).is_file()]
+
+
+def quantize_dit(images: torch.Tensor) -> np.ndarray:
+    """(B, C, H, W) images in [-1, 1] -> (B, H, W, C) uint8, DiT's exact rule
+    ``clamp(127.5 x + 128, 0, 255)`` truncated to an integer (sample_ddp.py)."""
+    return torch.clamp(127.5 * images.float() + 128.0, 0, 255).permute(0, 2, 3, 1).to("cpu", dtype=torch.uint8).numpy()
+
+
+def save_png_atomic(path: str | os.PathLike, image: np.ndarray) -> None:
+    """Write a (H, W, C) uint8 image so that ``path`` either does not exist or is complete."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    array = image[..., 0] if image.shape[-1] == 1 else image
+    PIL.Image.fromarray(array).save(tmp, format="PNG")
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_adm_npz(output: str | os.PathLike, num_samples: int, path: str | os.PathLike | None = None) -> Path:
+    """Stream PNGs ``0 .. num_samples-1`` of ``output`` into an ADM-format ``.npz``.
+
+    The file holds one array ``arr_0`` (uint8, (N, H, W, 3)) as the ADM evaluator and DiT's
+    sample_ddp.py expect. The ``.npy`` member is written image by image into an uncompressed
+    (ZIP64) archive, so memory stays at one image whatever N is (50k 256px images are
+    ~9.8 GB). Written to a temporary name and renamed. Returns the path.
+    """
+    output = Path(output)
+    path = Path(path) if path is not None else output / NPZ_FILE
+    missing = missing_indices(output, range(num_samples))
+    if missing:
+        raise FileNotFoundError(
+            f"{len(missing)} of {num_samples} PNGs are missing in {output / IMAGE_DIR} (first: {missing[0]:06d}.png); "
+            "finish sampling (run the same command again) before writing the .npz."
+        )
+    with PIL.Image.open(png_path(output, 0)) as first:
+        shape = np.asarray(first).shape
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False,
+              "shape": (num_samples, *shape)}
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+            with archive.open("arr_0.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array_header_1_0(member, header)
+                for i in range(num_samples):
+                    with PIL.Image.open(png_path(output, i)) as image:
+                        array = np.asarray(image)
+                    if array.shape != shape or array.dtype != np.uint8:
+                        raise ValueError(
+                            f"{png_path(output, i)} is {array.shape} {array.dtype}, but image 0 is {shape} uint8; "
+                            "the folder mixes runs."
+                        )
+                    member.write(np.ascontiguousarray(array).tobytes())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+# --------------------------------------------------------------------------------------
+# Loading and settings
+# --------------------------------------------------------------------------------------
+
+
+def load_pipeline(
+    model: str | os.PathLike,
+    vae: str | None = None,
+    scheduler: str = "ddpm",
+    clip_sample: bool | None = None,
+    dtype: str | torch.dtype = "float32",
+) -> MoHDiTPipeline:
+    """A pipeline from a ``save_pretrained`` transformer folder or a whole pipeline folder.
+
+    ``vae``: a path or Hub id of an ``AutoencoderKL``, ``"none"`` for a pixel-space model, or
+    None (a pipeline folder keeps its own; a transformer folder must be pixel-space).
+    ``scheduler``: ``"ddpm"`` / ``"ddim"`` / ``"dpm"`` (:func:`make_scheduler`) or ``"saved"``
+    (a pipeline folder's own). ``clip_sample`` None: on for pixel-space models (IDDPM clips
+    predicted images to [-1, 1]), off for latent ones (DiT's sampler does not clip) and for
+    DPM-Solver (which has no clipping).
+    ``dtype`` applies to the transformer; the VAE stays in float32.
+    """
+    model = Path(model)
+    if isinstance(dtype, str) and dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}; choose one of {list(DTYPES)}.")
+    if scheduler not in SCHEDULERS + ("saved",):
+        raise ValueError(f"scheduler={scheduler!r}; choose one of {SCHEDULERS + ('saved',)}.")
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if (model / "model_index.json").is_file():
+        pipe = MoHDiTPipeline.from_pretrained(model)
+        if vae is not None:
+            pipe = MoHDiTPipeline(transformer=pipe.transformer, scheduler=pipe.scheduler, vae=_load_vae(vae),
+                                  id2label=pipe.id2label or None)
+    elif (model / "config.json").is_file():
+        if scheduler == "saved":
+            raise ValueError(f"{model} is a transformer folder with no saved scheduler; use --scheduler ddpm|ddim|dpm.")
+        transformer = MoHDiTTransformer2DModel.from_pretrained(model)
+        pipe = MoHDiTPipeline(transformer=transformer, scheduler=make_scheduler("ddpm"), vae=_load_vae(vae))
+    else:
+        raise FileNotFoundError(
+            f"{model} is neither a pipeline folder (model_index.json) nor a transformer folder (config.json)."
+        )
+    if scheduler != "saved":
+        if clip_sample is None:
+            clip_sample = pipe.vae is None and scheduler != "dpm"
+        pipe.scheduler = make_scheduler(scheduler, clip_sample=clip_sample)
+    if pipe.transformer.dtype != torch_dtype:
+        pipe.transformer.to(torch_dtype)
+    return pipe
+
+
+def _load_vae(vae: str | None):
+    if vae is None or vae.lower() == "none":
+        return None
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL.from_pretrained(vae)
+
+
+def preview_head_activation(transformer: MoHDiTTransformer2DModel, ratio: float | None) -> tuple[float, list[int]]:
+    """The realised ratio and per-layer top-K that ``ratio`` would give, leaving the model as
+    it was. Raises ValueError (naming the reachable range) for an unreachable ratio."""
+    saved = transformer.top_k_per_layer
+    try:
+        realised = transformer.set_head_activation_ratio(ratio) if ratio is not None else transformer.head_activation_ratio
+        return realised, transformer.top_k_per_layer
+    finally:
+        if transformer.is_moh:
+            transformer.set_head_activation_ratio(None, overrides=dict(enumerate(saved)))
+
+
+def run_identity(pipe: MoHDiTPipeline, settings: SampleSettings, model: str) -> dict[str, Any]:
+    """The settings that decide the images, as written to / compared with the run's JSON."""
+    identity = dataclasses.asdict(settings)
+    del identity["num_samples"]
+    transformer = pipe.transformer
+    identity.update(
+        model=str(Path(model).resolve()),
+        transformer_config=json.loads(transformer.to_json_string()),
+        vae_config=None if pipe.vae is None else json.loads(pipe.vae.to_json_string()),
+        scheduler=json.loads(pipe.scheduler.to_json_string()),
+        dtype=str(transformer.dtype).removeprefix("torch."),
+    )
+    for config in (identity["transformer_config"], identity["vae_config"], identity["scheduler"]):
+        if config is not None:
+            for key in ("_diffusers_version", "_name_or_path", "_use_default_values"):
+                config.pop(key, None)
+    return identity
+
+
+def check_or_write_settings(output: str | os.PathLike, identity: dict[str, Any], run_info: dict[str, Any]) -> None:
+    """Write ``sample_config.json`` beside the output, or check a resumed run against it.
+
+    Resuming with different settings would mix two sample sets in one folder, so any
+    difference in ``identity`` raises (with the differing keys); ``run_info`` (batch size,
+    process count, num_samples, ...) may change between runs and is rewritten.
+    """
+    output = Path(output)
+    path = output / SETTINGS_FILE
+    if path.is_file():
+        previous = json.loads(path.read_text(encoding="utf-8")).get("identity", {})
+        current = json.loads(json.dumps(identity))  # normalise tuples / key types the way JSON stores them
+        changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
+        if changed:
+            raise ValueError(
+                f"{output} holds samples made with different settings ({', '.join(changed)} differ; see {path}). "
+                "Use a new --output, or delete the folder to start over."
+            )
+    (output / IMAGE_DIR).mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"identity": identity, "run": run_info})
+
+
+# --------------------------------------------------------------------------------------
+# The sampling loop
+# --------------------------------------------------------------------------------------
+
+
+def sample_images(
+    pipe: MoHDiTPipeline,
+    output: str | os.PathLike,
+    settings: SampleSettings,
+    batch_size: int = 32,
+    rank: int = 0,
+    world_size: int = 1,
+    progress: bool = True,
+    on_batch: Callable[[Sequence[int]], None] | None = None,
+) -> int:
+    """Generate this process's missing images of the run as PNGs; returns how many it made.
+
+    Process ``rank`` of ``world_size`` makes the indices ``i = rank (mod world_size)`` whose
+    PNG does not exist yet, ``batch_size`` at a time; image ``i`` has class
+    ``class_labels_for([i])`` and seed ``settings.seed + i``. ``on_batch`` is called with
+    each finished batch's indices.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    (Path(output) / IMAGE_DIR).mkdir(parents=True, exist_ok=True)
+    todo = missing_indices(output, indices_for_rank(settings.num_samples, rank, world_size))
+    num_classes = pipe.transformer.config.num_classes
+    pipe.set_progress_bar_config(disable=True)
+    bar = tqdm(total=len(todo), disable=not progress, unit="img", desc=f"sampling (rank {rank})")
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start : start + batch_size]
+        labels = class_labels_for(batch, num_classes, settings.class_labels, settings.seed)
+        latents = pipe(
+            labels,
+            guidance_scale=settings.guidance_scale,
+            guidance_channels=settings.guidance_channels,
+            num_inference_steps=settings.num_inference_steps,
+            head_activation_ratio=settings.head_activation_ratio,
+            seeds=[settings.seed + i for i in batch],
+            output_type="latent",
+        ).images
+        with torch.no_grad():
+            images = quantize_dit(pipe.decode(latents))  # (B, H, W, C) uint8
+        for index, image in zip(batch, images):
+            save_png_atomic(png_path(output, index), image)
+        bar.update(len(batch))
+        if on_batch is not None:
+            on_batch(batch)
+    bar.close()
+    return len(todo)

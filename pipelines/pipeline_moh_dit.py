@@ -1,0 +1,457 @@
+"""``MoHDiTPipeline``: class-conditional sampling from a MoH-DiT (or dense DiT) transformer.
+
+Follows diffusers' ``DiTPipeline`` (one ``__call__``, ``randn_tensor`` with generators,
+``progress_bar``, model CPU offload) and fixes what it lacks for this project:
+
+* the null class comes from the model config (``num_classes``), not a hard-coded 1000;
+* ``id2label`` is part of the pipeline config, so it is saved in ``model_index.json`` and
+  restored; labels can be given as names (case-insensitive, close names suggested);
+* classifier-free guidance on all eps channels (diffusers) or on the first three (the
+  original DiT sampler), the variance channels always taken from the conditional half;
+* learned-sigma models run with DDPM ``learned_range`` (the paper's 250-step sampler) or
+  with DDIM / DPM-Solver on the eps half;
+* ``head_activation_ratio`` per call (restored afterwards) and the run's head usage;
+* ``seeds``: one seed per image for the initial noise *and* every DDPM step's noise, so
+  image ``i`` does not depend on the batch it was drawn in;
+* pixel-space models (no VAE) as well as latent ones.
+
+The module path ``moh_dit.pipelines.pipeline_moh_dit`` is written into saved
+``model_index.json`` files; keep it stable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import inspect
+import json
+import numbers
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
+from diffusers.models import AutoencoderKL
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
+from diffusers.utils import BaseOutput
+from diffusers.utils.torch_utils import randn_tensor
+
+from moh_dit.transformer_moh_dit import MoHDiTTransformer2DModel
+
+__all__ = ["MoHDiTPipeline", "MoHDiTPipelineOutput", "make_scheduler", "imagenet_id2label", "GUIDANCE_CHANNELS"]
+
+GUIDANCE_CHANNELS = ("all", "dit")
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+SCHEDULERS = ("ddpm", "ddim", "dpm")
+
+
+def imagenet_id2label() -> dict[int, str]:
+    """The ImageNet-1k class names shipped in ``moh_dit.assets`` (id -> name)."""
+    text = resources.files("moh_dit.assets").joinpath("imagenet1k_id2label.json").read_text(encoding="utf-8")
+    return {int(k): v for k, v in json.loads(text).items()}
+
+
+def make_scheduler(
+    kind: str = "ddpm",
+    clip_sample: bool = False,
+    num_train_timesteps: int = 1000,
+    beta_start: float = 1e-4,
+    beta_end: float = 0.02,
+) -> SchedulerMixin:
+    """A diffusers scheduler for the paper's diffusion (1000 linear betas 1e-4..0.02).
+
+    ``"ddpm"``: ancestral sampling with the model's learned-range variance, i.e. DiT's /
+    IDDPM's ``p_sample_loop`` (the paper's 250-step sampler). ``timestep_spacing="linspace"``
+    keeps ``round(linspace(0, T-1, n))``, which equals ADM's ``space_timesteps(T, n)`` for
+    round step counts (10, 25, 50, 100, 250, 500, ...); for some other counts a few kept
+    steps differ by one (pass ``timesteps=`` to the pipeline for an exact list).
+    ``"ddim"``: deterministic DDIM (eta via the pipeline), same spacing, final alpha 1.
+    ``"dpm"``: DPM-Solver++ (2nd order multistep). DDIM and DPM-Solver use the eps half only.
+
+    ``clip_sample`` clamps the predicted x0 to [-1, 1] (IDDPM's ``clip_denoised``). It is off
+    by default because DiT samples latents, which are not bounded (DiT's sample.py passes
+    ``clip_denoised=False``); pixel-space models trained on [-1, 1] images may turn it on.
+    """
+    common = dict(
+        num_train_timesteps=num_train_timesteps, beta_schedule="linear", beta_start=beta_start, beta_end=beta_end,
+        prediction_type="epsilon",
+    )
+    if kind == "ddpm":
+        return DDPMScheduler(**common, variance_type="learned_range", clip_sample=clip_sample, timestep_spacing="linspace")
+    if kind == "ddim":
+        return DDIMScheduler(**common, clip_sample=clip_sample, set_alpha_to_one=True, steps_offset=0, timestep_spacing="linspace")
+    if kind == "dpm":
+        if clip_sample:
+            raise ValueError("DPM-Solver has no x0 clipping; use clip_sample=False (or its `thresholding`).")
+        return DPMSolverMultistepScheduler(**common, algorithm_type="dpmsolver++", solver_order=2, timestep_spacing="linspace")
+    raise ValueError(f"Unknown scheduler kind {kind!r}; choose one of {SCHEDULERS}.")
+
+
+@dataclass
+class MoHDiTPipelineOutput(BaseOutput):
+    """Output of ``MoHDiTPipeline``.
+
+    Args:
+        images: ``PIL.Image`` list, (B, H, W, C) float numpy array in [0, 1], a (B, C, H, W)
+            tensor in [0, 1] (``"pt"``), or the final latents (``"latent"``).
+        head_activation_ratio: the head-weighted activation ratio the run used.
+        head_usage: one (h_l,) float tensor per layer (CPU): the fraction of tokens that
+            used each head, averaged over all transformer calls of the run (for guided runs
+            this includes the unconditional half). Shared heads are 1.0.
+    """
+
+    images: list[PIL.Image.Image] | np.ndarray | torch.Tensor
+    head_activation_ratio: float
+    head_usage: list[torch.Tensor]
+
+
+class MoHDiTPipeline(DiffusionPipeline):
+    r"""Class-conditional image generation with a ``MoHDiTTransformer2DModel``.
+
+    Args:
+        transformer: the MoH-DiT (or dense DiT) model; it predicts eps (and, with learned
+            sigma, the variance values) for latents or, without a VAE, for images in [-1, 1].
+        scheduler: a diffusers scheduler; see :func:`make_scheduler` for the paper's DDPM.
+        vae: an ``AutoencoderKL`` for latent models; None for pixel-space models.
+        id2label: class id -> name; default: the model's ``config.class_names``, else the
+            ImageNet-1k names for a 1000-class model, else none. Saved with the pipeline.
+
+    Examples:
+
+    ```py
+    >>> import torch
+    >>> from diffusers import AutoencoderKL
+    >>> from moh_dit import MoHDiTPipeline, MoHDiTTransformer2DModel
+    >>> from moh_dit.pipelines.pipeline_moh_dit import make_scheduler
+
+    >>> transformer = MoHDiTTransformer2DModel.from_pretrained("moh-dit-xl-2-90")  # convert_checkpoint.py output
+    >>> vae = AutoencoderKL.from_pretrained("stabilityai/sd-vae-ft-ema")
+    >>> pipe = MoHDiTPipeline(transformer=transformer, vae=vae, scheduler=make_scheduler("ddpm")).to("cuda")
+    >>> out = pipe(["golden retriever", "tench", 88], guidance_scale=1.5, num_inference_steps=250,
+    ...            head_activation_ratio=0.8, seeds=[0, 1, 2])
+    >>> out.images[0].save("golden_retriever.png")
+    >>> out.head_activation_ratio, [u.mean().item() for u in out.head_usage][:3]
+    >>> pipe.save_pretrained("moh-dit-xl-2-90-pipeline")  # transformer, VAE, scheduler, id2label
+    ```
+    """
+
+    model_cpu_offload_seq = "transformer->vae"
+    _optional_components = ["vae"]
+
+    def __init__(
+        self,
+        transformer: MoHDiTTransformer2DModel,
+        scheduler: SchedulerMixin,
+        vae: AutoencoderKL | None = None,
+        id2label: dict[int | str, str] | None = None,
+    ):
+        super().__init__()
+        channels = transformer.config.in_channels
+        if vae is not None and vae.config.latent_channels != channels:
+            raise ValueError(
+                f"The VAE has {vae.config.latent_channels} latent channels but the transformer takes in_channels={channels}."
+            )
+        if vae is None and channels not in (1, 3):
+            raise ValueError(
+                f"The transformer takes {channels}-channel inputs, so it is a latent model: pass its VAE "
+                "(e.g. AutoencoderKL.from_pretrained('stabilityai/sd-vae-ft-ema')). Pixel-space models have 1 or 3 channels."
+            )
+        self.register_modules(transformer=transformer, scheduler=scheduler, vae=vae)
+        table = self._resolve_id2label(id2label, transformer)
+        # JSON keys are strings; store them that way so a reloaded config equals the saved one.
+        self.register_to_config(id2label=None if table is None else {str(k): v for k, v in table.items()})
+        self._build_label_index(table or {})
+
+    # ------------------------------------------------------------------ labels
+    @staticmethod
+    def _resolve_id2label(id2label, transformer) -> dict[int, str] | None:
+        num_classes = transformer.config.num_classes
+        if id2label is None:
+            names = getattr(transformer.config, "class_names", None)
+            if names:
+                return dict(enumerate(names))
+            return imagenet_id2label() if num_classes == 1000 else None
+        table = {}
+        for key, name in id2label.items():
+            try:
+                class_id = int(key)
+            except (TypeError, ValueError):
+                raise ValueError(f"id2label keys must be class ids; got {key!r}.") from None
+            if not 0 <= class_id < num_classes:
+                raise ValueError(f"id2label has id {class_id}, outside [0, {num_classes - 1}] of this model.")
+            table[class_id] = str(name)
+        return table
+
+    def _build_label_index(self, table: dict[int, str]) -> None:
+        # Exact names first, then lower-cased ones; a name may list synonyms separated by
+        # commas (the long ImageNet names: "tench, Tinca tinca"), each of which resolves.
+        self._exact: dict[str, set[int]] = {}
+        self._folded: dict[str, set[int]] = {}
+        self._spelling: dict[str, str] = {}  # folded -> a spelling to suggest
+        for class_id, name in table.items():
+            for synonym in (s.strip() for s in name.split(",")):
+                if synonym:
+                    self._exact.setdefault(synonym, set()).add(class_id)
+                    self._folded.setdefault(synonym.casefold(), set()).add(class_id)
+                    self._spelling.setdefault(synonym.casefold(), synonym)
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        """Class id -> name (empty if the pipeline has no names)."""
+        return {int(k): v for k, v in (self.config.id2label or {}).items()}
+
+    @property
+    def labels(self) -> dict[str, int]:
+        """Every unambiguous name (and synonym) -> class id, sorted by name."""
+        return {name: next(iter(ids)) for name, ids in sorted(self._exact.items()) if len(ids) == 1}
+
+    def get_label_ids(self, label: str | int | Sequence[str | int]) -> list[int]:
+        """Map names (case-insensitive) and/or class ids to class ids, validating each.
+
+        The null class id (``num_classes``) is accepted and gives unconditional samples.
+        Raises ValueError for an unknown name (with close names), an ambiguous one, an id
+        out of range, or an empty list.
+        """
+        if isinstance(label, (str, numbers.Integral)) or (torch.is_tensor(label) and label.ndim == 0):
+            label = [label]
+        elif torch.is_tensor(label) or isinstance(label, np.ndarray):
+            label = label.reshape(-1).tolist()
+        label = list(label)
+        if not label:
+            raise ValueError("class_labels is empty: pass at least one class id or name.")
+        num_classes = self.transformer.config.num_classes
+        ids = []
+        for item in label:
+            if torch.is_tensor(item) or isinstance(item, np.generic):
+                item = item.item()
+            if isinstance(item, str):
+                ids.append(self._lookup(item))
+            elif isinstance(item, numbers.Integral) and not isinstance(item, bool):
+                if not 0 <= int(item) <= num_classes:
+                    raise ValueError(
+                        f"class id {int(item)} is out of range: this model has classes 0..{num_classes - 1} "
+                        f"(and {num_classes}, the null class, for unconditional samples)."
+                    )
+                ids.append(int(item))
+            else:
+                raise ValueError(f"class labels must be int ids or names; got {item!r} ({type(item).__name__}).")
+        return ids
+
+    def _lookup(self, name: str) -> int:
+        if not self._exact:
+            raise ValueError(
+                f"Class name {name!r} given but this pipeline has no class names (id2label); pass class ids "
+                f"0..{self.transformer.config.num_classes - 1} or build the pipeline with id2label=..."
+            )
+        key = name.strip()
+        ids = self._exact.get(key) or self._folded.get(key.casefold())
+        if not ids:
+            close = difflib.get_close_matches(key.casefold(), list(self._folded), n=5, cutoff=0.6)
+            hint = f" Did you mean: {', '.join(repr(self._spelling[c]) for c in close)}?" if close else ""
+            raise ValueError(f"Unknown class name {name!r}.{hint} See `pipe.labels` for all names.")
+        if len(ids) > 1:
+            options = ", ".join(f"{i} ({self.id2label[i]!r})" for i in sorted(ids))
+            raise ValueError(f"Class name {name!r} is ambiguous: {options}. Use the exact spelling or the id.")
+        return next(iter(ids))
+
+    # ------------------------------------------------------------------ helpers
+    @contextlib.contextmanager
+    def _sampling_state(self, ratio: float | None) -> Iterator[float]:
+        """Eval mode (no label dropout) and the requested routed top-K for one call; both
+        restored on exit, also on error."""
+        model = self.transformer
+        saved_top_k = model.top_k_per_layer
+        was_training = model.training
+        realised = model.set_head_activation_ratio(ratio) if ratio is not None else model.head_activation_ratio
+        try:
+            model.eval()
+            yield realised
+        finally:
+            if model.is_moh:
+                model.set_head_activation_ratio(None, overrides=dict(enumerate(saved_top_k)))
+            model.train(was_training)
+
+    def _uses_learned_variance(self) -> bool:
+        """Whether the scheduler consumes the model's variance channels (DDPM learned range)."""
+        variance_type = getattr(self.scheduler.config, "variance_type", None)
+        if isinstance(self.scheduler, DDPMScheduler):
+            if variance_type == "learned":
+                raise ValueError(
+                    "DDPMScheduler(variance_type='learned') reads the output as a log variance, but DiT models predict "
+                    "IDDPM's interpolation values: use variance_type='learned_range'."
+                )
+            if variance_type == "learned_range":
+                if self.transformer.out_channels != 2 * self.transformer.config.in_channels:
+                    raise ValueError(
+                        "The scheduler uses variance_type='learned_range' but this model does not learn sigma "
+                        "(learn_sigma=False); use a fixed variance type, e.g. "
+                        "DDPMScheduler.from_config(pipe.scheduler.config, variance_type='fixed_small')."
+                    )
+                return True
+            return False
+        if variance_type in ("learned", "learned_range"):
+            # DPM-Solver would slice the output to 3 channels itself; the pipeline already
+            # hands it the eps half.
+            raise ValueError(
+                f"{type(self.scheduler).__name__} has variance_type={variance_type!r}; the pipeline passes it the eps "
+                "half already: rebuild it with variance_type=None, e.g. "
+                f"{type(self.scheduler).__name__}.from_config(pipe.scheduler.config, variance_type=None)."
+            )
+        return False
+
+    def _step_kwargs(self, generator, eta: float) -> dict[str, Any]:
+        params = set(inspect.signature(self.scheduler.step).parameters)
+        kwargs: dict[str, Any] = {}
+        if "generator" in params:
+            kwargs["generator"] = generator
+        if "eta" in params:
+            kwargs["eta"] = eta
+        return kwargs
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Final latents -> images in [-1, 1] (B, C, H, W); the identity for pixel-space models."""
+        if self.vae is None:
+            return latents
+        latents = latents / self.vae.config.scaling_factor
+        shift = getattr(self.vae.config, "shift_factor", None)
+        if shift:
+            latents = latents + shift
+        return self.vae.decode(latents.to(self.vae.dtype)).sample
+
+    # ------------------------------------------------------------------ call
+    @torch.no_grad()
+    def __call__(
+        self,
+        class_labels: int | str | Sequence[int | str] | torch.Tensor,
+        guidance_scale: float = 4.0,
+        num_inference_steps: int = 250,
+        head_activation_ratio: float | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        seeds: Sequence[int] | None = None,
+        latents: torch.Tensor | None = None,
+        guidance_channels: str = "all",
+        timesteps: Sequence[int] | None = None,
+        eta: float = 0.0,
+        output_type: str = "pil",
+        return_dict: bool = True,
+    ) -> MoHDiTPipelineOutput | tuple:
+        r"""Generate one image per class label.
+
+        Args:
+            class_labels: class ids and/or names (case-insensitive); id ``num_classes`` (the
+                null class) gives an unconditional sample.
+            guidance_scale: classifier-free guidance scale; 1 disables guidance (and the
+                unconditional half of the batch). The default 4.0 is DiT's sample.py and
+                DiTPipeline's (for pictures); the papers' FID numbers use 1.5 or 1.
+            num_inference_steps: sampling steps (the paper: 250 DDPM steps).
+            head_activation_ratio: routed top-K for this call only (see
+                ``MoHDiTTransformer2DModel.set_head_activation_ratio``); None: the model's
+                current setting. Restored afterwards.
+            generator: a ``torch.Generator`` or one per image (diffusers convention).
+            seeds: one seed per image instead of ``generator``: each image gets its own CPU
+                generator for its initial noise and for the noise of every DDPM step, so
+                image ``i`` is the same whatever the batch size (what ``scripts/sample.py`` uses).
+            latents: initial noise (B, C, H, W) instead of drawing it.
+            guidance_channels: ``"all"`` guides every eps channel (diffusers' DiTPipeline);
+                ``"dit"`` guides only the first three, as the original DiT sampler does (its
+                ``forward_with_cfg``), which is what the paper's cfg numbers used. The
+                variance channels come from the conditional half in both cases.
+            timesteps: explicit descending timesteps (DDPM / DPM-Solver), e.g. ADM's
+                ``space_timesteps`` for step counts where ``linspace`` differs.
+            eta: DDIM's eta (ignored by other schedulers).
+            output_type: ``"pil"``, ``"np"``, ``"pt"`` (images in [0, 1]) or ``"latent"``.
+            return_dict: return a ``MoHDiTPipelineOutput``; else ``(images, ratio, head_usage)``.
+        """
+        # ---- validate everything before any compute
+        ids = self.get_label_ids(class_labels)
+        batch = len(ids)
+        if not guidance_scale >= 1.0:
+            raise ValueError(
+                f"guidance_scale={guidance_scale} must be >= 1 (1 = no guidance). For unconditional samples pass the "
+                f"null class id {self.transformer.config.num_classes}."
+            )
+        if guidance_channels not in GUIDANCE_CHANNELS:
+            raise ValueError(f"guidance_channels={guidance_channels!r}; choose one of {GUIDANCE_CHANNELS}.")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type={output_type!r}; choose one of {OUTPUT_TYPES}.")
+        if timesteps is None and not (isinstance(num_inference_steps, numbers.Integral) and num_inference_steps >= 1):
+            raise ValueError(f"num_inference_steps must be a positive int; got {num_inference_steps!r}.")
+        if timesteps is not None and "timesteps" not in inspect.signature(self.scheduler.set_timesteps).parameters:
+            raise ValueError(f"{type(self.scheduler).__name__} does not accept custom timesteps; use num_inference_steps.")
+        if seeds is not None:
+            if generator is not None:
+                raise ValueError("Pass either `seeds` or `generator`, not both.")
+            seeds = [int(s) for s in seeds]
+            if len(seeds) != batch:
+                raise ValueError(f"Got {len(seeds)} seeds for {batch} class labels; give one seed per image.")
+            generator = [torch.Generator("cpu").manual_seed(s) for s in seeds]
+        if isinstance(generator, list) and len(generator) != batch:
+            raise ValueError(f"Got a list of {len(generator)} generators for {batch} class labels; give one per image.")
+        channels, size = self.transformer.config.in_channels, self.transformer.config.sample_size
+        if latents is not None and tuple(latents.shape) != (batch, channels, size, size):
+            raise ValueError(f"latents must have shape {(batch, channels, size, size)}; got {tuple(latents.shape)}.")
+        use_variance = self._uses_learned_variance()
+        if head_activation_ratio is not None:
+            low, high = self.transformer.head_activation_range
+            if not low - 1e-9 <= float(head_activation_ratio) <= high + 1e-9:
+                raise ValueError(
+                    f"head_activation_ratio={head_activation_ratio} is outside this model's reachable range "
+                    f"[{low:.4f}, {high:.4f}]."
+                )
+
+        device = self._execution_device
+        dtype = self.transformer.dtype
+        guided = guidance_scale > 1.0
+        num_guided = channels if guidance_channels == "all" else min(3, channels)
+        null = self.transformer.config.num_classes
+        labels = torch.tensor(ids, device=device)
+        labels_in = torch.cat([labels, torch.full_like(labels, null)]) if guided else labels
+
+        # The state is kept in float32 whatever the model dtype: the sampler's arithmetic
+        # (and the noise draws, which must not depend on the compute dtype) stay exact.
+        if latents is None:
+            latents = randn_tensor((batch, channels, size, size), generator=generator, device=device, dtype=torch.float32)
+        x = latents.to(device=device, dtype=torch.float32)
+        if timesteps is None:
+            self.scheduler.set_timesteps(num_inference_steps)
+        else:
+            self.scheduler.set_timesteps(timesteps=[int(t) for t in timesteps])
+        step_kwargs = self._step_kwargs(generator, eta)
+
+        usage_sum: list[torch.Tensor] | None = None
+        calls = 0
+        with self._sampling_state(head_activation_ratio) as realised:
+            for t in self.progress_bar(self.scheduler.timesteps):
+                model_in = torch.cat([x, x]) if guided else x
+                model_in = self.scheduler.scale_model_input(model_in, t)
+                t_in = torch.as_tensor(t, device=device).reshape(1).expand(model_in.shape[0])
+                out = self.transformer(model_in.to(dtype), timestep=t_in, class_labels=labels_in, output_head_usage=True)
+                pred = out.sample.float()  # (B or 2B, C or 2C, H, W)
+                if guided:
+                    cond, uncond = pred.chunk(2)
+                    eps = uncond[:, :num_guided] + guidance_scale * (cond[:, :num_guided] - uncond[:, :num_guided])
+                    pred = torch.cat([eps, cond[:, num_guided:]], dim=1)  # (B, C or 2C, H, W)
+                if not use_variance:
+                    pred = pred[:, :channels]
+                x = self.scheduler.step(pred, t, x, **step_kwargs).prev_sample
+                used = [u.float() for u in out.head_usage]
+                usage_sum = used if usage_sum is None else [s + u for s, u in zip(usage_sum, used)]
+                calls += 1
+
+        head_usage = [(s / calls).cpu() for s in usage_sum] if usage_sum is not None else []
+        if output_type == "latent":
+            images = x
+        else:
+            images = (self.decode(x).float() / 2 + 0.5).clamp(0, 1)  # (B, C, H, W) in [0, 1]
+            if output_type != "pt":
+                images = images.cpu().permute(0, 2, 3, 1).numpy()
+                if output_type == "pil":
+                    images = self.numpy_to_pil(images)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return images, realised, head_usage
+        return MoHDiTPipelineOutput(images=images, head_activation_ratio=realised, head_usage=head_usage)

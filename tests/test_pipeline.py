@@ -1,0 +1,325 @@
+"""MoHDiTPipeline on tiny models: outputs, determinism, DiT's sampler, head activation,
+save/load (pixel space and with a VAE), labels, bad input, CPU offload."""
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
+
+from moh_dit import MoHDiTPipeline, MoHDiTPipelineOutput, MoHDiTTransformer2DModel
+from moh_dit.diffusion import create_diffusion, space_timesteps
+from moh_dit.pipelines.pipeline_moh_dit import imagenet_id2label, make_scheduler
+
+STEPS = 3
+NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship, boat", "truck"]
+
+
+def tiny_pipe(randomize, seed=0, **overrides):
+    model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, **overrides), seed=seed).eval()
+    return MoHDiTPipeline(transformer=model, scheduler=make_scheduler("ddpm"))
+
+
+def tiny_vae():
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8), layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        norm_num_groups=4, sample_size=16,
+    )
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return vae.eval()
+
+
+def latent_pipe(randomize):
+    model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, in_channels=4), seed=2).eval()
+    return MoHDiTPipeline(transformer=model, scheduler=make_scheduler("ddpm"), vae=tiny_vae())
+
+
+def count_forward(model):
+    calls = []
+    original = model.forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    model.forward = counted
+    return calls
+
+
+def test_output_types_and_shapes(randomize):
+    pipe = tiny_pipe(randomize)
+    out = pipe([1, 2, 3], guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1, 2], output_type="np")
+    assert isinstance(out, MoHDiTPipelineOutput)
+    assert out.images.shape == (3, 8, 8, 3) and out.images.min() >= 0 and out.images.max() <= 1
+    assert out.images.std() > 0.01  # random weights: a non-trivial image
+    assert [u.shape for u in out.head_usage] == [(4,)] * 6
+    assert out.head_activation_ratio == pytest.approx(0.75)
+    pil = pipe([1], guidance_scale=1.0, num_inference_steps=STEPS, seeds=[0]).images
+    assert isinstance(pil[0], PIL.Image.Image) and pil[0].size == (8, 8)
+    pt = pipe([1], num_inference_steps=STEPS, seeds=[0], output_type="pt").images
+    assert pt.shape == (1, 3, 8, 8)
+    latent, ratio, usage = pipe([1], num_inference_steps=STEPS, seeds=[0], output_type="latent", return_dict=False)
+    torch.testing.assert_close(pt, (latent / 2 + 0.5).clamp(0, 1))
+    assert ratio == pytest.approx(0.75) and len(usage) == 6
+
+
+def test_generator_determinism(randomize):
+    pipe = tiny_pipe(randomize)
+    run = lambda seed: pipe([4, 5], guidance_scale=2.0, num_inference_steps=STEPS, output_type="pt",
+                            generator=torch.Generator().manual_seed(seed)).images
+    a, b, c = run(0), run(0), run(1)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (a - c).abs().max() > 1e-3
+
+
+def test_image_independent_of_batch(randomize):
+    """Image i comes out the same alone or in a batch: its own initial noise *and* its own
+    DDPM step noise (the scheduler's single-generator draw would mix the batch). A float64
+    model makes it exact; in float32 CPU matmuls differ by ~1e-6 between batch sizes, which
+    the 1/sqrt(alpha_bar) of the x0 prediction amplifies (see the float32 check)."""
+    pipe = tiny_pipe(randomize)
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, output_type="latent")
+    batch = pipe([3, 7, 1], seeds=[10, 11, 12], **kwargs).images
+    alone = pipe([7], seeds=[11], **kwargs).images
+    torch.testing.assert_close(alone[0], batch[1], rtol=1e-2, atol=1e-2)
+    pipe.transformer.to(torch.float64)
+    batch = pipe([3, 7, 1], seeds=[10, 11, 12], **kwargs).images
+    alone = pipe([7], seeds=[11], **kwargs).images
+    torch.testing.assert_close(alone[0], batch[1], rtol=0, atol=0)
+    mixed = pipe([3, 7, 1], generator=torch.Generator().manual_seed(11), **kwargs).images
+    assert (mixed[1] - alone[0]).abs().max() > 1e-2
+
+
+def dit_reference_sample(model, label, seed, steps, scale, clip):
+    """DiT's sampler: IDDPM's respaced p_sample_loop with DiT's forward_with_cfg (guides
+    the first three eps channels; the rest and the variance from the conditional half)."""
+    diffusion = create_diffusion(sampling_steps=steps)
+    steps = diffusion.num_timesteps
+    size, channels = model.config.sample_size, model.config.in_channels
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((1, channels, size, size), generator=gen)
+    null = model.config.num_classes
+    with torch.no_grad():
+        for index in reversed(range(steps)):
+            t = diffusion.timestep_map[index].reshape(1)
+            out = model(torch.cat([x, x]), t.expand(2), torch.tensor([label, null])).sample
+            eps, rest = out[:, :3], out[:, 3:]
+            cond, uncond = eps.chunk(2)
+            guided = uncond + scale * (cond - uncond)
+            model_out = torch.cat([guided, rest[:1]], dim=1)
+            noise = torch.randn(x.shape, generator=gen) if index > 0 else torch.zeros_like(x)
+            x = diffusion.p_sample(model_out, x, torch.tensor([index]), noise=noise, clip_denoised=clip)["sample"]
+    return x
+
+
+def test_ddpm_matches_dit_sampler(randomize):
+    """Default DDPM (learned range, linspace spacing) + guidance_channels="dit" is DiT's
+    sampler; on a 4-channel latent model "all" guides the 4th eps channel too."""
+    pipe = latent_pipe(randomize)
+    steps = 6
+    assert pipe.scheduler.config.timestep_spacing == "linspace"
+    pipe.scheduler.set_timesteps(steps)
+    assert pipe.scheduler.timesteps.tolist() == space_timesteps(1000, steps)[::-1]
+    ref = dit_reference_sample(pipe.transformer, label=6, seed=3, steps=steps, scale=3.0, clip=False)
+    kwargs = dict(guidance_scale=3.0, num_inference_steps=steps, seeds=[3], output_type="latent")
+    dit = pipe([6], guidance_channels="dit", **kwargs).images
+    torch.testing.assert_close(dit, ref, rtol=1e-4, atol=1e-4)
+    every = pipe([6], guidance_channels="all", **kwargs).images
+    assert (every - dit).abs().max() > 1e-3
+
+
+def test_clip_sample_and_custom_timesteps_match_dit(randomize):
+    """clip_sample=True is IDDPM's clip_denoised; explicit ADM section respacing ("3,2":
+    3 steps from [0, 500), 2 from [500, 1000)) through ``timesteps=``."""
+    pipe = tiny_pipe(randomize)
+    pipe.scheduler = make_scheduler("ddpm", clip_sample=True)
+    kept = space_timesteps(1000, "3,2")
+    ours = pipe([2], guidance_scale=2.0, timesteps=kept[::-1], seeds=[1], output_type="latent").images
+    ref = dit_reference_sample(pipe.transformer, label=2, seed=1, steps="3,2", scale=2.0, clip=True)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_no_unconditional_half_without_guidance(randomize):
+    pipe = tiny_pipe(randomize)
+    seen = []
+    original = pipe.transformer.forward
+    pipe.transformer.forward = lambda x, *a, **k: (seen.append(x.shape[0]), original(x, *a, **k))[1]
+    pipe([1, 2], guidance_scale=1.0, num_inference_steps=2, seeds=[0, 1], output_type="latent")
+    pipe([1, 2], guidance_scale=1.5, num_inference_steps=2, seeds=[0, 1], output_type="latent")
+    assert seen == [2, 2, 4, 4]
+
+
+def test_head_activation_ratio_per_call(randomize):
+    pipe = tiny_pipe(randomize)
+    model = pipe.transformer
+    model.set_head_activation_ratio(0.875)  # a non-trained setting the call must give back
+    before = model.top_k_per_layer
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="latent")
+    low = pipe([1, 2], head_activation_ratio=0.5, **kwargs)
+    assert model.top_k_per_layer == before
+    default = pipe([1, 2], **kwargs)
+    assert low.head_activation_ratio == pytest.approx(0.5)
+    assert default.head_activation_ratio == pytest.approx(0.875)
+    heads = torch.tensor([4.0] * 6)
+    # Head-weighted usage of the run equals the realised ratio (every token uses hs + K heads).
+    for out in (low, default):
+        used = sum(u.sum() for u in out.head_usage) / heads.sum()
+        assert used.item() == pytest.approx(out.head_activation_ratio, abs=1e-6)
+    assert (low.images - default.images).abs().max() > 1e-4
+
+
+def test_ratio_and_train_mode_restored_on_error(randomize):
+    pipe = tiny_pipe(randomize)
+    model = pipe.transformer.train()
+    before = model.top_k_per_layer
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("scheduler failed")
+
+    pipe.scheduler.step = boom
+    with pytest.raises(RuntimeError, match="scheduler failed"):
+        pipe([1], head_activation_ratio=1.0, num_inference_steps=STEPS, seeds=[0])
+    assert model.top_k_per_layer == before and model.training
+
+
+def test_train_mode_model_samples_like_eval(randomize):
+    """Label dropout must not act while sampling; the model's mode is given back."""
+    pipe = tiny_pipe(randomize, class_dropout_prob=0.9)
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="latent")
+    ref = pipe([1, 2], **kwargs).images
+    pipe.transformer.train()
+    torch.testing.assert_close(pipe([1, 2], **kwargs).images, ref)
+    assert pipe.transformer.training
+
+
+def test_save_load_roundtrip_pixel_space(tmp_path, randomize):
+    pipe = tiny_pipe(randomize, class_names=NAMES)
+    pipe.scheduler = make_scheduler("ddpm", clip_sample=True)
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="pt")
+    ref = pipe(["cat", "boat"], **kwargs).images
+    pipe.save_pretrained(tmp_path)
+    loaded = MoHDiTPipeline.from_pretrained(tmp_path)
+    assert loaded.vae is None and isinstance(loaded.scheduler, DDPMScheduler)
+    assert loaded.scheduler.config.clip_sample is True
+    assert loaded.id2label == dict(enumerate(NAMES)) and loaded.config.id2label == pipe.config.id2label
+    torch.testing.assert_close(loaded(["cat", "boat"], **kwargs).images, ref, rtol=0, atol=0)
+
+
+def test_custom_id2label_saved(tmp_path, randomize):
+    pipe = MoHDiTPipeline(transformer=tiny_pipe(randomize).transformer, scheduler=make_scheduler("ddim"),
+                          id2label={0: "zero", "9": "nine"})
+    pipe.save_pretrained(tmp_path)
+    loaded = MoHDiTPipeline.from_pretrained(tmp_path)
+    assert loaded.id2label == {0: "zero", 9: "nine"} and isinstance(loaded.scheduler, DDIMScheduler)
+    assert loaded.get_label_ids(["Nine", 3]) == [9, 3]
+
+
+def test_vae_pipeline_and_roundtrip(tmp_path, randomize):
+    pipe = latent_pipe(randomize)
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="pt")
+    out = pipe([1, 9], **kwargs)
+    assert out.images.shape == (2, 3, 16, 16)  # 8x8x4 latents, VAE downsampling 2
+    latents = pipe([1, 9], **{**kwargs, "output_type": "latent"}).images
+    with torch.no_grad():
+        decoded = pipe.vae.decode(latents / pipe.vae.config.scaling_factor).sample
+    torch.testing.assert_close(out.images, (decoded / 2 + 0.5).clamp(0, 1))
+    pipe.save_pretrained(tmp_path)
+    loaded = MoHDiTPipeline.from_pretrained(tmp_path)
+    assert isinstance(loaded.vae, AutoencoderKL)
+    torch.testing.assert_close(loaded([1, 9], **kwargs).images, out.images, rtol=0, atol=0)
+
+
+def test_model_cpu_offload(randomize):
+    """Offload hooks run on a CPU-only machine with device="cpu" (on a GPU machine the
+    default accelerator is used); the output must not change and the models end on the CPU."""
+    pipe = latent_pipe(randomize)
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=2, seeds=[0], output_type="pt")
+    ref = pipe([3], **kwargs).images
+    pipe.enable_model_cpu_offload(device="cpu")
+    torch.testing.assert_close(pipe([3], **kwargs).images, ref)
+    assert pipe._execution_device.type == "cpu"
+    assert next(pipe.transformer.parameters()).device.type == "cpu"
+
+
+def test_other_schedulers_use_eps_half(randomize):
+    pipe = tiny_pipe(randomize)
+    for scheduler in (make_scheduler("ddim"), make_scheduler("dpm"),
+                      DDPMScheduler.from_config(make_scheduler("ddpm").config, variance_type="fixed_small")):
+        pipe.scheduler = scheduler
+        out = pipe([1, 2], guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="latent")
+        assert out.images.shape == (2, 3, 8, 8) and torch.isfinite(out.images).all()
+
+
+def test_label_names(randomize):
+    pipe = tiny_pipe(randomize, class_names=NAMES)
+    assert pipe.get_label_ids(["Cat", " DOG ", "ship", "boat", 0, np.int64(4), torch.tensor(7)]) == [3, 5, 8, 8, 0, 4, 7]
+    assert pipe.get_label_ids("truck") == [9]
+    assert pipe.get_label_ids(10) == [10]  # the null class: an unconditional sample
+    assert pipe.labels["boat"] == 8
+
+
+def test_imagenet_names_by_default(randomize):
+    model = randomize(MoHDiTTransformer2DModel.from_preset("DiT-Tiny", sample_size=8, num_classes=1000)).eval()
+    pipe = MoHDiTPipeline(transformer=model, scheduler=make_scheduler("ddpm"))
+    assert pipe.id2label == imagenet_id2label() and len(pipe.id2label) == 1000
+    assert pipe.get_label_ids(["golden retriever", "Tench", "Cardigan", "cardigan"]) == [207, 0, 264, 474]
+    with pytest.raises(ValueError, match=r"ambiguous: 264 \('Cardigan'\), 474 \('cardigan'\)"):
+        pipe.get_label_ids("CARDIGAN")
+    out = pipe(["tench", 1000], guidance_scale=1.5, num_inference_steps=2, seeds=[0, 1], output_type="latent")
+    assert out.head_activation_ratio == 1.0 and all((u == 1).all() for u in out.head_usage)
+    # No names for a 10-class model without class_names.
+    with pytest.raises(ValueError, match="no class names"):
+        tiny_pipe(randomize).get_label_ids("cat")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(class_labels=["kat"]), r"Unknown class name 'kat'\. Did you mean: 'cat'"),
+        (dict(class_labels=[11]), r"class id 11 is out of range.*0\.\.9.*10, the null class"),
+        (dict(class_labels=[-1]), "class id -1 is out of range"),
+        (dict(class_labels=[]), "class_labels is empty"),
+        (dict(class_labels=[1.5]), "must be int ids or names"),
+        (dict(class_labels=[1], head_activation_ratio=0.1), r"head_activation_ratio=0.1 is outside .*\[0\.5000, 1\.0000\]"),
+        (dict(class_labels=[1], guidance_scale=0.5), "guidance_scale=0.5 must be >= 1"),
+        (dict(class_labels=[1], guidance_channels="first3"), "guidance_channels='first3'"),
+        (dict(class_labels=[1, 2], seeds=[0]), "Got 1 seeds for 2 class labels"),
+        (dict(class_labels=[1], seeds=[0], generator=torch.Generator()), "either `seeds` or `generator`"),
+        (dict(class_labels=[1], output_type="jpg"), "output_type='jpg'"),
+        (dict(class_labels=[1], latents=torch.zeros(1, 3, 4, 4)), r"latents must have shape \(1, 3, 8, 8\)"),
+        (dict(class_labels=[1], timesteps=[999, 500, 0], num_inference_steps=None), None),
+    ],
+)
+def test_bad_input_raises_before_compute(randomize, kwargs, message):
+    pipe = tiny_pipe(randomize, class_names=NAMES)
+    if message is None:  # custom timesteps: fine for DDPM, refused by DDIM
+        pipe.scheduler = make_scheduler("ddim")
+        message = "DDIMScheduler does not accept custom timesteps"
+    calls = count_forward(pipe.transformer)
+    before = pipe.transformer.top_k_per_layer
+    with pytest.raises(ValueError, match=message):
+        pipe(**{"num_inference_steps": STEPS, **kwargs})
+    assert not calls and pipe.transformer.top_k_per_layer == before
+
+
+def test_scheduler_model_mismatch_rejected(randomize):
+    fixed = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, learn_sigma=False)).eval()
+    pipe = MoHDiTPipeline(transformer=fixed, scheduler=make_scheduler("ddpm"))
+    with pytest.raises(ValueError, match="does not learn sigma"):
+        pipe([1], num_inference_steps=2)
+    pipe.scheduler = DPMSolverMultistepScheduler.from_config(make_scheduler("dpm").config, variance_type="learned_range")
+    with pytest.raises(ValueError, match="variance_type=None"):
+        pipe([1], num_inference_steps=2)
+
+
+def test_constructor_checks(randomize):
+    latent_model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, in_channels=4))
+    with pytest.raises(ValueError, match="latent model: pass its VAE"):
+        MoHDiTPipeline(transformer=latent_model, scheduler=make_scheduler())
+    with pytest.raises(ValueError, match="id 10, outside"):
+        tiny_pipe(randomize).__class__(transformer=tiny_pipe(randomize).transformer, scheduler=make_scheduler(),
+                                       id2label={10: "x"})
