@@ -184,7 +184,8 @@ def sample_grid(model, diffusion, num_classes: int, latent_shape, vae=None, step
         t = torch.full((len(labels),), i, device=device, dtype=torch.long)
         out = model(x, timestep_map[t], labels).sample
         noise = torch.randn(x.shape, generator=gen).to(device)
-        x = sampler.p_sample(out.float(), x.float(), t, noise=noise)["sample"]
+        # IDDPM clips the predicted image to [-1, 1] in pixel space; DiT does not clip latents.
+        x = sampler.p_sample(out.float(), x.float(), t, noise=noise, clip_denoised=vae is None)["sample"]
     if vae is not None:
         x = vae.decode(x / vae.config.scaling_factor).sample
     return ((x.clamp(-1, 1) + 1) / 2).float().cpu()

@@ -1,0 +1,137 @@
+"""The head-activation sweep: FID, sFID, IS, precision, recall and attention FLOPs of one model
+at several head activation ratios, with the same images (seeds, labels) at every ratio.
+
+    python scripts/sweep_head_ratio.py --model moh-dit-xl-2-90-pipeline \\
+        --ref VIRTUAL_imagenet256_labeled.npz --inception-weights weights-inception-2015-12-05-6726825d.pth \\
+        --ratios trained,1.0,0.9,0.75,0.6,min --num-samples 10000 --batch-size 64 \\
+        --num-inference-steps 250 --guidance-scale 1.5 --output sweeps/xl-90
+
+Writes OUTPUT/sweep.json (rows + settings), OUTPUT/sweep.csv and OUTPUT/fid_vs_ratio.png,
+and prints a table. ``--model``: a pipeline folder or a save_pretrained transformer folder
+(pixel space, or give --vae). ``--ref``: ADM's reference batch or a folder / .npz of real
+images (e.g. the training ImageFolder for the demo). Without the published Inception weights
+the script stops with advice; ``--random-inception-seed N`` explicitly uses a random
+Inception instead, and everything is then labelled not comparable to published numbers.
+All the work is done by :func:`moh_dit.sweep.run_sweep`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from moh_dit.evaluation import INCEPTION_WEIGHTS_ENV
+from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS
+from moh_dit.sampling import DTYPES, load_pipeline
+from moh_dit.sweep import (
+    ATTENTION_PATHS,
+    DEFAULT_RATIOS,
+    attention_flops,
+    parse_ratios,
+    plan_ratios,
+    run_sweep,
+    transformer_calls_per_image,
+    write_sweep,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a MoHDiTPipeline folder or a save_pretrained transformer folder")
+    parser.add_argument("--ref", required=True, help="ADM reference batch .npz, or an image folder / .npz of real images")
+    parser.add_argument("--ratios", default=",".join(str(r) for r in DEFAULT_RATIOS),
+                        help="comma-separated head activation ratios in (0, 1], 'trained' and 'min' (default: %(default)s)")
+    parser.add_argument("--output", default="head_ratio_sweep", help="folder for sweep.json/csv and fid_vs_ratio.png")
+    parser.add_argument("--num-samples", type=int, default=50_000, help="images per ratio")
+    parser.add_argument("--batch-size", type=int, default=32, help="images per sampling batch")
+    parser.add_argument("--eval-batch-size", type=int, default=64, help="images per Inception forward pass")
+    parser.add_argument("--num-inference-steps", type=int, default=250)
+    parser.add_argument("--guidance-scale", type=float, default=1.5, help="classifier-free guidance; 1 = none")
+    parser.add_argument("--guidance-channels", choices=GUIDANCE_CHANNELS, default="dit",
+                        help="'dit': guide the first 3 eps channels like DiT's sampler (default); 'all': every channel")
+    parser.add_argument("--seed", type=int, default=0, help="image i uses seed + i (class i mod num_classes) at every ratio")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--inception-weights", default=None,
+                         help=f"InceptionV3 weights file (default: ${INCEPTION_WEIGHTS_ENV}, the torch hub cache, a download)")
+    weights.add_argument("--random-inception-seed", type=int, default=None,
+                         help="use a random Inception with this seed (offline demos only: NOT comparable to published numbers)")
+    parser.add_argument("--no-download", action="store_true", help="never try to download the Inception weights")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--vae", default=None,
+                        help="AutoencoderKL path or Hub id, or 'none' (default: the pipeline folder's own; none for a transformer folder)")
+    parser.add_argument("--scheduler", choices=SCHEDULERS + ("saved",), default="ddpm",
+                        help="ddpm: the paper's learned-variance DDPM (default); ddim; dpm; saved: a pipeline folder's own")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="transformer dtype (the VAE stays float32)")
+    parser.add_argument("--attention", choices=list(ATTENTION_PATHS), default="auto",
+                        help="attention path for sampling (affects wall time only): auto (the model's: head-sparse), "
+                             "masked (every head computed, as the release) or sparse")
+    parser.add_argument("--save-samples", action="store_true", help="also write each ratio's PNGs under OUTPUT/ratio_X/samples/")
+    parser.add_argument("--cache-dir", default=None, help="reference statistics cache (default ~/.cache/moh_dit/reference_stats)")
+    parser.add_argument("--no-cache", action="store_true", help="neither read nor write the reference statistics cache")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved ratios, top-K and FLOPs, and exit")
+    return parser.parse_args(argv)
+
+
+def dry_run(args: argparse.Namespace) -> dict:
+    pipe = load_pipeline(args.model, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype)
+    calls = transformer_calls_per_image(args.num_inference_steps, args.guidance_scale)
+    plans = []
+    for plan in plan_ratios(pipe.transformer, parse_ratios(args.ratios)):
+        sparse, dense = attention_flops(pipe.transformer, plan.top_k_per_layer)
+        plans.append(dict(ratio=plan.label, realised_ratio=plan.realised_ratio, top_k_per_layer=plan.top_k_per_layer,
+                          attention_flops_per_image=sparse * calls, attention_flop_ratio=sparse / dense))
+    report = {"args": vars(args), "transformer_calls_per_image": calls, "plans": plans}
+    print(json.dumps(report, indent=2))
+    return report
+
+
+def main(args: argparse.Namespace):
+    if args.dry_run:
+        return dry_run(args)
+    result = run_sweep(
+        args.model,
+        parse_ratios(args.ratios),
+        reference=args.ref,
+        num_samples=args.num_samples,
+        batch_size=args.batch_size,
+        num_inference_steps=args.num_inference_steps,
+        guidance_scale=args.guidance_scale,
+        guidance_channels=args.guidance_channels,
+        seed=args.seed,
+        inception_weights=args.inception_weights,
+        random_inception_seed=args.random_inception_seed,
+        download=not args.no_download,
+        device=args.device,
+        attention=args.attention,
+        output_dir=args.output,
+        save_samples=args.save_samples,
+        eval_batch_size=args.eval_batch_size,
+        cache_dir=args.cache_dir,
+        use_cache=not args.no_cache,
+        vae=args.vae,
+        scheduler=args.scheduler,
+        dtype=args.dtype,
+    )
+    result.settings["args"] = vars(args)
+    paths = write_sweep(result, args.output)
+    print(result.table())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return result
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
+    args = parse_args(argv)
+    try:
+        main(args)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,282 @@
+"""The head-activation sweep: ratio planning, the FLOP formula, same images at every ratio,
+the written table / plot, errors before any sampling, and scripts/sweep_head_ratio.py."""
+
+import csv
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moh_dit import MoHDiTTransformer2DModel
+from moh_dit import evaluation as ev
+from moh_dit.sampling import load_pipeline, png_path, quantize_dit
+from moh_dit.sweep import (
+    attention_flops,
+    layer_attention_flops,
+    parse_ratios,
+    plan_ratios,
+    run_sweep,
+    transformer_calls_per_image,
+    write_sweep,
+)
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sweep_head_ratio.py"
+SIZE = 16  # 16x16 RGB, patch 4: 16 tokens
+# Small and fast, and uneven batches (4 + 2) so the last partial batch is exercised.
+SWEEP = dict(num_samples=6, batch_size=4, num_inference_steps=2, guidance_scale=1.5, seed=5,
+             use_cache=False, progress=False, log=None)
+
+
+class ConvFeatures(nn.Module):
+    """A fixed random conv + pooling standing in for Inception: uint8 NCHW -> pool/logits/spatial."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 12, 3, padding=1)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            self.conv.weight.copy_(torch.randn(self.conv.weight.shape, generator=generator) * 0.5)
+            self.conv.bias.zero_()
+
+    def forward(self, images: torch.Tensor) -> dict:
+        h = F.relu(self.conv(images.float() / 127.5 - 1.0))  # (N, 12, H, W)
+        return {"pool": h.mean(dim=(2, 3)), "logits": h.amax(dim=(2, 3)), "spatial": F.adaptive_avg_pool2d(h, 2).flatten(1)}
+
+
+def _random_model(preset: str, seed: int) -> MoHDiTTransformer2DModel:
+    # DiT's init zeroes the adaLN and output layers (every block the identity); random
+    # weights make the ratio matter.
+    model = MoHDiTTransformer2DModel.from_preset(preset, sample_size=SIZE)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    return model.eval()
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("moh_dit_sweep_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # These tensors are tiny: a second intra-op thread never helps, and on a loaded machine
+    # each op then waits for a descheduled thread (measured here: 34 s instead of 0.4 s).
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("moh") / "transformer"
+    _random_model("MoH-DiT-Tiny", seed=3).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dense") / "transformer"
+    _random_model("DiT-Tiny", seed=3).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory) -> Path:
+    """An ImageFolder of 8 smooth 16x16 images, two classes of 4."""
+    root = tmp_path_factory.mktemp("reference")
+    yy, xx = np.mgrid[0:SIZE, 0:SIZE]
+    for i in range(8):
+        image = np.stack([(xx * 9 + 31 * i) % 256, (yy * 13 + 17 * i) % 256, (xx * yy + 50 * i) % 256], axis=-1)
+        folder = root / f"class_{i // 4}"
+        folder.mkdir(exist_ok=True)
+        PIL.Image.fromarray(image.astype(np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def sweep(model_dir, reference_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep") / "out"
+    result = run_sweep(model_dir, ("trained", 1.0, 0.75, "min"), reference=reference_dir, extractor=ConvFeatures(),
+                       output_dir=out, save_samples=True, **SWEEP)
+    return result, write_sweep(result, out), out
+
+
+# --------------------------------------------------------------------------------------
+# FLOPs and ratio planning (no sampling)
+# --------------------------------------------------------------------------------------
+
+
+def test_layer_attention_flops_hand_case():
+    # N=4 tokens, D=8, h=2 heads of d=4 (D_in=8), one head active (r=1/2):
+    # dense = 2*4*8*8*4 + 4*16*8 = 2048 + 512; sparse = 2*4*8*8*(2 + 1) + 4*0.5*16*8 = 1536 + 256.
+    assert layer_attention_flops(4, 8, 2, 4, 1) == (1792, 2560)
+    assert layer_attention_flops(4, 8, 2, 4, 2) == (2560, 2560)
+    assert layer_attention_flops(4, 8, 2, 4, 0) == (1024, 2560)  # K and V projections only
+    with pytest.raises(ValueError, match="active_heads=3"):
+        layer_attention_flops(4, 8, 2, 4, 3)
+
+
+def test_attention_flops_of_models():
+    moh = _random_model("MoH-DiT-Tiny", seed=0)
+    n, hidden, d = 16, 128, 32
+    active = [s + k for s, k in zip(moh.layer_shared, moh.trained_top_k)]  # [4, 3, 3, 3, 3, 2]
+    expected = sum(2 * n * hidden * 4 * d * (2 + 2 * a / 4) + 4 * (a / 4) * n * n * 4 * d for a in active)
+    sparse, dense = attention_flops(moh)
+    assert sparse == pytest.approx(expected, rel=1e-12)
+    assert dense == 6 * (2 * n * hidden * 4 * d * 4 + 4 * n * n * 4 * d)
+    assert attention_flops(moh, [0, 2, 2, 3, 2, 4]) == (dense, dense)  # every head active
+    assert attention_flops(_random_model("DiT-Tiny", seed=0)) == (dense, dense)
+    assert transformer_calls_per_image(250, 1.5) == 500 and transformer_calls_per_image(250, 1.0) == 250
+
+
+def test_plan_ratios_realises_the_models_layouts():
+    model = _random_model("MoH-DiT-Tiny", seed=0)
+    plans = plan_ratios(model, parse_ratios("trained,1.0,0.9,0.75,0.6,min"))
+    assert [p.label for p in plans] == ["1.0", "0.9", "trained/0.75", "0.6", "min"]  # highest first, duplicates merged
+    probe = _random_model("MoH-DiT-Tiny", seed=0)
+    for plan, ratio in zip(plans, [1.0, 0.9, 0.75, 0.6, model.head_activation_range[0]]):
+        assert plan.realised_ratio == probe.set_head_activation_ratio(ratio)
+        assert plan.top_k_per_layer == probe.top_k_per_layer
+    assert plans[-1].realised_ratio == 0.5 and plans[2].top_k_per_layer == model.trained_top_k
+    assert model.top_k_per_layer == model.trained_top_k  # planning leaves the model alone
+    with pytest.raises(ValueError, match=r"ratio 0.3 is outside this model's reachable range \[0.5000, 1.0000\]"):
+        plan_ratios(model, [1.0, 0.3])
+    with pytest.raises(ValueError, match="neither a number nor"):
+        parse_ratios("1.0,half")
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        parse_ratios("1.5")
+    dense = _random_model("DiT-Tiny", seed=0)
+    assert [p.label for p in plan_ratios(dense, ["trained", 1.0, "min"])] == ["trained/1.0/min"]
+    with pytest.raises(ValueError, match="dense DiT.*pass --ratios 1.0"):
+        plan_ratios(dense, [1.0, 0.9])
+
+
+# --------------------------------------------------------------------------------------
+# The sweep
+# --------------------------------------------------------------------------------------
+
+
+def test_sweep_rows(sweep, model_dir):
+    result, _, _ = sweep
+    rows = result.rows
+    assert [r.ratio for r in rows] == ["1.0", "trained/0.75", "min"]
+    model = MoHDiTTransformer2DModel.from_pretrained(model_dir)
+    for row, ratio in zip(rows, [1.0, 0.75, "min"]):
+        target = model.head_activation_range[0] if ratio == "min" else ratio
+        assert row.realised_ratio == model.set_head_activation_ratio(target)
+        assert row.top_k_per_layer == model.top_k_per_layer
+        sparse, dense = attention_flops(model)
+        assert (row.attention_flops_per_image, row.dense_attention_flops_per_image) == (sparse * 4, dense * 4)  # 2 steps x cfg
+        assert row.num_samples == 6 and row.sampling_seconds > 0
+        assert all(np.isfinite(v) for v in (row.fid, row.sfid, row.inception_score, row.precision, row.recall))
+    flops = [r.attention_flops_per_image for r in rows]
+    assert flops[0] > flops[1] > flops[2] and rows[0].attention_flop_ratio == 1.0
+    assert len({r.fid for r in rows}) == 3  # the ratio changes the images
+    assert result.settings["transformer_calls_per_image"] == 4 and result.settings["comparable_to_published"] is False
+    assert result.settings["extractor"] == ev.extractor_identity(ConvFeatures())
+
+
+def test_same_images_at_every_ratio(sweep, model_dir, reference_dir):
+    result, _, out = sweep
+    images = {r.ratio: np.stack([np.asarray(PIL.Image.open(png_path(r.samples_dir, i))) for i in range(6)])
+              for r in result.rows}
+    assert images["1.0"].shape == (6, SIZE, SIZE, 3)
+    assert not np.array_equal(images["1.0"], images["min"])
+    # Image i is class i mod 10 with seed seed + i, exactly what the pipeline gives alone.
+    pipe = load_pipeline(model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    latents = pipe([0, 1, 2, 3], guidance_scale=1.5, num_inference_steps=2, head_activation_ratio=0.75,
+                   guidance_channels="dit", seeds=[5, 6, 7, 8], output_type="latent").images
+    np.testing.assert_array_equal(quantize_dit(latents), images["trained/0.75"][:4])
+    # Same seeds and labels whatever else is swept: ratio 1.0 alone gives the same FID.
+    again = run_sweep(model_dir, [1.0], reference=reference_dir, extractor=ConvFeatures(), **SWEEP)
+    assert again.rows[0].fid == result.rows[0].fid and again.rows[0].sfid == result.rows[0].sfid
+
+
+def test_written_files(sweep):
+    result, paths, out = sweep
+    data = json.loads(paths["json"].read_text())
+    assert [r["ratio"] for r in data["rows"]] == ["1.0", "trained/0.75", "min"]
+    settings = data["settings"]
+    for key in ("model", "num_inference_steps", "guidance_scale", "num_samples", "seed", "reference", "extractor",
+                "comparable_to_published", "transformer_calls_per_image"):
+        assert key in settings, key
+    assert settings["num_samples"] == 6 and settings["seed"] == 5 and settings["num_inference_steps"] == 2
+    with open(paths["csv"], newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [float(r["realised_ratio"]) for r in table] == [1.0, 0.75, 0.5]
+    assert float(table[1]["fid"]) == pytest.approx(result.rows[1].fid)
+    assert table[2]["top_k_per_layer"] == "0 0 0 0 0 1"
+    with PIL.Image.open(paths["plot"]) as plot:
+        plot.load()
+        assert plot.size == (720, 460) and plot.mode == "RGB"
+        assert len(np.unique(np.asarray(plot).reshape(-1, 3), axis=0)) > 10  # something was drawn
+    assert sorted(p.name for p in out.iterdir()) == [
+        "fid_vs_ratio.png", "ratio_0.5000", "ratio_0.7500", "ratio_1.0000", "sweep.csv", "sweep.json"]
+    assert not list(out.rglob("*.tmp"))
+    assert "NOT comparable" in result.table()
+
+
+def test_errors_before_any_sampling_leave_nothing(model_dir, dense_dir, reference_dir, tmp_path, monkeypatch):
+    pipe = load_pipeline(model_dir)
+    calls = []
+    pipe.transformer.register_forward_hook(lambda *args: calls.append(1))
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"reachable range \[0.5000, 1.0000\]"):
+        run_sweep(pipe, [1.0, 0.4], reference=reference_dir, extractor=ConvFeatures(), output_dir=out, **SWEEP)
+    with pytest.raises(ValueError, match="dense DiT"):
+        run_sweep(dense_dir, [1.0, 0.9], reference=reference_dir, extractor=ConvFeatures(), output_dir=out, **SWEEP)
+    with pytest.raises(FileNotFoundError, match="reference not found"):
+        run_sweep(pipe, [1.0], reference=tmp_path / "nope", extractor=ConvFeatures(), output_dir=out, **SWEEP)
+    with pytest.raises(ValueError, match="at most one of"):
+        run_sweep(pipe, [1.0], reference=reference_dir, extractor=ConvFeatures(), random_inception_seed=0, **SWEEP)
+    with pytest.raises(ValueError, match="num_samples must be >= 4"):
+        run_sweep(pipe, [1.0], reference=reference_dir, extractor=ConvFeatures(), **{**SWEEP, "num_samples": 3})
+    # No weights anywhere and no download: the evaluation's error, never a silent random Inception.
+    monkeypatch.delenv(ev.INCEPTION_WEIGHTS_ENV, raising=False)
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    with pytest.raises(ev.InceptionWeightsNotFoundError, match="--inception-weights"):
+        run_sweep(pipe, [1.0], reference=reference_dir, download=False, output_dir=out, **SWEEP)
+    assert not calls and not out.exists()
+
+
+def test_dense_model_single_point(dense_dir, reference_dir, tmp_path):
+    result = run_sweep(dense_dir, ["trained", 1.0, "min"], reference=reference_dir, extractor=ConvFeatures(),
+                       **{**SWEEP, "num_samples": 4, "num_inference_steps": 1, "guidance_scale": 1.0})
+    assert [r.ratio for r in result.rows] == ["trained/1.0/min"] and result.rows[0].attention_flop_ratio == 1.0
+    paths = write_sweep(result, tmp_path / "dense")
+    with PIL.Image.open(paths["plot"]) as plot:
+        assert plot.size == (720, 460)
+
+
+def test_script_with_random_inception(model_dir, dense_dir, reference_dir, tmp_path, capsys):
+    script = load_script()
+    out = tmp_path / "cli"
+    argv = ["--model", str(model_dir), "--ref", str(reference_dir / "class_0"), "--ratios", "1.0,min",
+            "--num-samples", "4", "--batch-size", "4", "--num-inference-steps", "1", "--guidance-scale", "1",
+            "--random-inception-seed", "0", "--no-cache", "--device", "cpu", "--output", str(out)]
+    result = script.main(script.parse_args(argv))
+    printed = capsys.readouterr().out
+    assert "realised" in printed and "NOT comparable" in printed
+    data = json.loads((out / "sweep.json").read_text())
+    assert [r["realised_ratio"] for r in data["rows"]] == [1.0, 0.5] == [r.realised_ratio for r in result.rows]
+    assert data["settings"]["comparable_to_published"] is False
+    assert "RANDOM" in data["settings"]["extractor"] and data["settings"]["transformer_calls_per_image"] == 1
+    assert (out / "sweep.csv").is_file() and (out / "fid_vs_ratio.png").is_file()
+    # A dense model with a MoH ratio: a one-line error, exit status 1, nothing written.
+    bad = tmp_path / "bad"
+    argv = ["--model", str(dense_dir), "--ref", str(reference_dir), "--ratios", "1.0,0.9", "--output", str(bad),
+            "--random-inception-seed", "0"]
+    assert script.cli(argv) == 1
+    assert "dense DiT" in capsys.readouterr().err and not bad.exists()
