@@ -459,7 +459,7 @@ def run_sweep(
 
     if isinstance(model, MoHDiTPipeline):
         pipe = model
-        model_label = pipe.transformer.config.get("_name_or_path") or "<in-memory pipeline>"
+        model_label = str(pipe.transformer.config.get("_name_or_path") or "<in-memory pipeline>")
     else:
         pipe = load_pipeline(model, vae=vae, scheduler=scheduler, dtype=dtype)
         model_label = str(Path(model).resolve())

@@ -1,0 +1,121 @@
+"""The whole job on the embedded default, offline, on a CPU:
+
+    python scripts/demo.py [--output-dir demo_output]
+
+1. writes the demo dataset (12 classes of coloured shapes, 32x32, drawn by the package);
+2. trains a tiny MoH-DiT (MoH-DiT-Tiny: 6 layers, 4 heads, 0.75 head activation) on it in
+   pixel space;
+3. samples a labelled grid (one row per class) with MoHDiTPipeline;
+4. runs the head-activation sweep (FID, sFID, IS, precision, recall, attention FLOPs, time
+   per ratio) against the training images and prints the table.
+
+FID needs a feature network. The standard TF Inception is used when its weights are found
+(--inception-weights, MOH_DIT_INCEPTION_WEIGHTS or the torch hub cache); otherwise the demo
+says so and uses the same InceptionV3 with a fixed random initialisation, whose numbers only
+compare the demo's own ratios and are not comparable to published ones.
+Rerunning continues where it stopped (the training resumes from its last checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from moh_dit.data import write_json_atomic
+from moh_dit.demo_data import make_demo_dataset
+from moh_dit.evaluation import InceptionWeightsNotFoundError, resolve_inception_weights
+from moh_dit.sampling import load_pipeline
+from moh_dit.sweep import run_sweep, write_sweep
+from moh_dit.training import TrainConfig, train
+
+
+def labelled_grid(pipe, per_class: int, steps: int, seed: int) -> Image.Image:
+    """One row per class: the class name, then ``per_class`` samples (seeds seed, seed+1, ...)."""
+    names = pipe.id2label
+    rows = []
+    for class_id in sorted(names):
+        out = pipe([class_id] * per_class, guidance_scale=1.0, num_inference_steps=steps,
+                   seeds=list(range(seed, seed + per_class)), output_type="np")
+        rows.append((names[class_id], (out.images * 255).round().astype(np.uint8)))
+    size, scale, label_w = rows[0][1].shape[1], 3, 110
+    cell = size * scale
+    grid = Image.new("RGB", (label_w + per_class * (cell + 2), len(rows) * (cell + 2)), "white")
+    draw = ImageDraw.Draw(grid)
+    for r, (name, images) in enumerate(rows):
+        y = r * (cell + 2)
+        draw.text((4, y + cell // 2 - 6), name, fill="black")
+        for c, image in enumerate(images):
+            tile = Image.fromarray(image).resize((cell, cell), Image.NEAREST)
+            grid.paste(tile, (label_w + c * (cell + 2), y))
+    return grid
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output-dir", default="demo_output")
+    p.add_argument("--preset", default="MoH-DiT-Tiny")
+    p.add_argument("--images-per-class", type=int, default=300)
+    p.add_argument("--max-steps", type=int, default=1500)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--learning-rate", type=float, default=5e-4)
+    p.add_argument("--ema-decay", type=float, default=0.995)
+    p.add_argument("--sample-steps", type=int, default=50, help="DDPM steps for the grid and the sweep")
+    p.add_argument("--sweep-samples", type=int, default=240, help="images per ratio in the sweep")
+    p.add_argument("--ratios", default="1.0,0.9,trained,0.6,min")
+    p.add_argument("--inception-weights", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    out = Path(args.output_dir)
+    data = out / "data"
+    if not data.is_dir():
+        make_demo_dataset(data, images_per_class=args.images_per_class, seed=args.seed)
+    print(f"[1/4] demo dataset: {data}")
+
+    print(f"[2/4] training {args.preset} for {args.max_steps} steps (pixel space, batch {args.batch_size})")
+    final = train(TrainConfig(
+        preset=args.preset, output_dir=str(out / "run"), data_dir=str(data), vae="none", image_size=32,
+        max_steps=args.max_steps, global_batch_size=args.batch_size, learning_rate=args.learning_rate,
+        ema_decay=args.ema_decay, checkpoint_every=max(1, args.max_steps // 3), checkpoints_total_limit=1,
+        resume="latest", seed=args.seed, num_workers=0, log_every=100, report_to="none",
+    ))
+
+    pipe = load_pipeline(final)
+    pipe.set_progress_bar_config(disable=True)
+    grid = labelled_grid(pipe, per_class=8, steps=args.sample_steps, seed=args.seed)
+    grid.save(out / "samples_grid.png")
+    print(f"[3/4] labelled sample grid: {out / 'samples_grid.png'}")
+
+    try:
+        weights = resolve_inception_weights(args.inception_weights, download=False)
+        inception = dict(inception_weights=weights)
+    except InceptionWeightsNotFoundError:
+        print("      Inception weights not found: using a randomly initialised InceptionV3 "
+              "(numbers NOT comparable to published FIDs).")
+        inception = dict(random_inception_seed=0)
+    print(f"[4/4] head-activation sweep: {args.sweep_samples} images per ratio, {args.sample_steps} DDPM steps")
+    result = run_sweep(pipe, args.ratios, reference=data, num_samples=args.sweep_samples, batch_size=60,
+                       num_inference_steps=args.sample_steps, guidance_scale=1.0, seed=args.seed,
+                       cache_dir=out / "cache", progress=False, log=None, **inception)
+    files = write_sweep(result, out / "sweep")
+    print(result.table())
+    minutes = (time.perf_counter() - start) / 60
+    write_json_atomic(out / "demo_summary.json", {"minutes": minutes, "model": str(final),
+                                                   "sweep": {k: str(v) for k, v in files.items()}})
+    print(f"done in {minutes:.1f} min: {out / 'samples_grid.png'}, {files['plot']}, {files['csv']}")
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    sys.exit(main(parse_args()))
