@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sized
@@ -37,6 +36,8 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset, Sampler, default_collate
+
+from .io_utils import write_json_atomic
 
 __all__ = [
     "IMG_EXTENSIONS",
@@ -52,7 +53,6 @@ __all__ = [
     "load_image",
     "image_to_tensor",
     "write_class_index",
-    "write_json_atomic",
 ]
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -93,21 +93,6 @@ def _split_key(key: Any, default_epoch: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------
 # Files
 # --------------------------------------------------------------------------------------
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON to a temporary file beside ``path`` and rename it over ``path``."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_class_index(class_to_idx: dict[str, int], path: str | os.PathLike) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .data import write_json_atomic
+from .io_utils import write_json_atomic
 
 __all__ = ["DEMO_SHAPES", "DEMO_COLOURS", "demo_classes", "render_demo_image", "make_demo_dataset"]
 

@@ -48,6 +48,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .io_utils import atomic_write
+
 __all__ = [
     "ADM_K",
     "ADM_SPLIT_SIZE",
@@ -83,7 +85,6 @@ __all__ = [
     "resolve_inception_weights",
     "save_random_inception_weights",
     "tf32_disabled",
-    "write_json_atomic",
 ]
 
 PathLike = Union[str, os.PathLike]
@@ -1208,15 +1209,8 @@ def _cache_path(cache_dir: Path, spec: _ReferenceSpec, identity: str) -> tuple[P
 
 
 def _save_npz_atomic(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_write(path) as f:
+        np.savez(f, **arrays)
 
 
 def _load_cache(path: Path, key: str) -> dict[str, np.ndarray] | None:
@@ -1456,21 +1450,3 @@ def evaluate(
         reference_from_cache=ref.from_cache,
         notes=notes,
     )
-
-
-def write_json_atomic(path: PathLike, payload: Any) -> Path:
-    """Write ``payload`` as indented JSON to ``path`` via a temporary file and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path

@@ -44,8 +44,8 @@ from .data import (
     image_to_tensor,
     item_rng,
     load_image,
-    write_json_atomic,
 )
+from .io_utils import write_json_atomic
 
 __all__ = [
     "LATENT_FORMAT",

@@ -32,6 +32,7 @@ import PIL.Image
 import torch
 from tqdm.auto import tqdm
 
+from .io_utils import atomic_write, write_json_atomic
 from .pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, MoHDiTPipeline, make_scheduler
 from .transformer_moh_dit import MoHDiTTransformer2DModel
 
@@ -45,7 +46,6 @@ __all__ = [
     "missing_indices",
     "quantize_dit",
     "save_png_atomic",
-    "write_json_atomic",
     "write_adm_npz",
     "load_pipeline",
     "preview_head_activation",
@@ -133,18 +133,9 @@ def quantize_dit(images: torch.Tensor) -> np.ndarray:
 
 def save_png_atomic(path: str | os.PathLike, image: np.ndarray) -> None:
     """Write a (H, W, C) uint8 image so that ``path`` either does not exist or is complete."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     array = image[..., 0] if image.shape[-1] == 1 else image
-    PIL.Image.fromarray(array).save(tmp, format="PNG")
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        PIL.Image.fromarray(array).save(f, format="PNG")
 
 
 def write_adm_npz(output: str | os.PathLike, num_samples: int, path: str | os.PathLike | None = None) -> Path:

@@ -27,7 +27,6 @@ import dataclasses
 import io
 import math
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,8 +48,8 @@ from .evaluation import (
     extractor_identity,
     load_inception,
     load_reference,
-    write_json_atomic,
 )
+from .io_utils import write_bytes_atomic, write_json_atomic
 from .pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, MoHDiTPipeline
 from .sampling import (
     SampleSettings,
@@ -586,17 +585,6 @@ def _csv_text(rows: Sequence[SweepRow]) -> str:
     return buffer.getvalue()
 
 
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def write_sweep(result: SweepResult, output_dir: PathLike) -> dict[str, Path]:
     """Write ``sweep.json`` (settings + rows), ``sweep.csv`` and ``fid_vs_ratio.png``.
 
@@ -610,8 +598,8 @@ def write_sweep(result: SweepResult, output_dir: PathLike) -> dict[str, Path]:
     plot_fid_vs_ratio(result.rows, title, subtitle, comparable=result.comparable_to_published).save(png, format="PNG")
     output_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": output_dir / JSON_FILE, "csv": output_dir / CSV_FILE, "plot": output_dir / PLOT_FILE}
-    _write_bytes_atomic(paths["csv"], csv_text.encode("utf-8"))
-    _write_bytes_atomic(paths["plot"], png.getvalue())
+    write_bytes_atomic(paths["csv"], csv_text.encode("utf-8"))
+    write_bytes_atomic(paths["plot"], png.getvalue())
     write_json_atomic(paths["json"], result.to_dict())  # last: its presence means the sweep is complete
     return paths
 

@@ -28,7 +28,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from .convert import save_pretrained_atomic
-from .data import ImageFolderDataset, ResumableSampler, collate_skip_corrupt, write_json_atomic
+from .data import ImageFolderDataset, ResumableSampler, collate_skip_corrupt
+from .io_utils import write_json_atomic
 from .diffusion import create_diffusion
 from .latents import LatentDataset, load_vae, vae_downsample_factor
 from .presets import PRESETS

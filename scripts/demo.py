@@ -19,7 +19,6 @@ Rerunning continues where it stopped (the training resumes from its last checkpo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from moh_dit.data import write_json_atomic
+from moh_dit.io_utils import write_json_atomic
 from moh_dit.demo_data import make_demo_dataset
 from moh_dit.evaluation import InceptionWeightsNotFoundError, resolve_inception_weights
 from moh_dit.sampling import load_pipeline

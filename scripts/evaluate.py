@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from moh_dit.evaluation import ADM_SPLIT_SIZE, INCEPTION_WEIGHTS_ENV, evaluate, write_json_atomic
+from moh_dit.evaluation import ADM_SPLIT_SIZE, INCEPTION_WEIGHTS_ENV, evaluate
+from moh_dit.io_utils import write_json_atomic
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
