@@ -28,6 +28,7 @@ from diffusers.utils import BaseOutput
 from torch import nn
 
 from .presets import get_preset, resolve_layer_layout
+from .sparse_attention import MoHSparseAttnProcessor
 
 __all__ = [
     "MoHRouting",
@@ -149,6 +150,16 @@ class MoHAttention(Attention):
 
     With ``num_shared_heads=None`` the layer is a plain dense attention (DiT baseline).
     ``inner_dim = heads * dim_head`` may differ from ``query_dim``.
+
+    Head-sparse inference: ``sparse_inference`` chooses between ``processor`` (dense-masked,
+    the training path) and ``sparse_processor`` (``MoHSparseAttnProcessor``, which skips
+    the routed heads a token did not select; same result to float rounding). ``None``
+    (default) = automatic: head-sparse in eval mode when autograd is off (``torch.no_grad``
+    / ``torch.inference_mode``), the default processor is in place and the model is not
+    being compiled (the sparse path has data-dependent shapes); ``True`` = head-sparse
+    whenever in eval mode; ``False`` = never. Training mode always uses ``processor``.
+    Assign a configured ``MoHSparseAttnProcessor`` to ``sparse_processor`` to change how it
+    skips (strategy, density above which it computes dense-masked).
     """
 
     def __init__(
@@ -179,6 +190,8 @@ class MoHAttention(Attention):
             nn.Linear(query_dim, 2, bias=False) if self.num_routed_heads and self.num_shared_heads > 0 else None
         )
         self.router_shared = nn.Linear(query_dim, self.num_shared_heads, bias=False) if self.is_moh and self.num_shared_heads > 1 else None
+        self.sparse_processor = MoHSparseAttnProcessor()
+        self.sparse_inference: bool | None = None
 
     def route(self, x: torch.Tensor, need_stats: bool = False) -> MoHRouting | None:
         """Gates of every head for every token of ``x`` (B, N, D); None for a dense layer.
@@ -230,9 +243,22 @@ class MoHAttention(Attention):
             usage = shared_usage if usage_routed is None else torch.cat([shared_usage, usage_routed])
         return MoHRouting(gates, routed_index, routed_gates, lb_loss, usage)
 
+    def uses_sparse_processor(self) -> bool:
+        """Whether the next forward call takes the head-sparse path (see the class docstring)."""
+        if self.training or self.sparse_inference is False or not self.num_routed_heads:
+            return False
+        if self.sparse_inference:
+            return True
+        return (
+            not torch.is_grad_enabled()
+            and type(self.processor) is MoHAttnProcessor
+            and not torch.compiler.is_compiling()
+        )
+
     def forward(self, hidden_states: torch.Tensor, need_stats: bool = False) -> tuple[torch.Tensor, MoHRouting | None]:
         routing = self.route(hidden_states, need_stats)
-        return self.processor(self, hidden_states, routing=routing), routing
+        processor = self.sparse_processor if self.uses_sparse_processor() else self.processor
+        return processor(self, hidden_states, routing=routing), routing
 
 
 # --------------------------------------------------------------------------------------
@@ -481,6 +507,20 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
         for block, k in zip(self.transformer_blocks, new_k):
             block.attn1.top_k = k
         return self.head_activation_ratio
+
+    def set_sparse_inference(self, enabled: bool | None) -> None:
+        """Choose the attention path used in eval mode for every MoH layer.
+
+        ``True`` forces the head-sparse path (``MoHSparseAttnProcessor``: unselected routed
+        heads are skipped; same output as the dense-masked path to float rounding, and
+        same gradients), ``False`` forces the dense-masked path, ``None`` (default) picks
+        head-sparse automatically when autograd is off and the model is not being compiled.
+        Training mode always uses the dense-masked path. A dense DiT ignores the setting.
+        """
+        if enabled is not None and not isinstance(enabled, bool):
+            raise ValueError(f"set_sparse_inference takes True, False or None; got {enabled!r}.")
+        for block in self.transformer_blocks:
+            block.attn1.sparse_inference = enabled
 
     # ---------------------------------------------------------------- forward
     def _check_inputs(self, hidden_states: torch.Tensor, timestep, class_labels) -> torch.Tensor:

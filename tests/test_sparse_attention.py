@@ -1,0 +1,320 @@
+"""Head-sparse MoH inference against the dense-masked path and a loop reference."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import moh_dit.sparse_attention as sparse_attention
+from moh_dit import PRESETS, MoHDiTTransformer2DModel, top_k_for_ratio
+from moh_dit.sparse_attention import MoHSparseAttnProcessor, ideal_flop_ratio, sparse_attention_reference
+from moh_dit.transformer_moh_dit import MoHAttention, MoHAttnProcessor, MoHRouting
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors gain nothing from threads, and on a shared machine every parallel region
+    of the many small per-head calls can wait for a busy core; restore afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+DENSE = MoHAttnProcessor()
+# dense_above=1.0: always skip, so that dense layouts really test the sparse computation.
+SPARSE = MoHSparseAttnProcessor(dense_above=1.0)  # "per_head" on CPU
+BATCHED = MoHSparseAttnProcessor("batched", dense_above=1.0)
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def layer(h, hs, k, dim=16, head_dim=4, seed=0):
+    torch.manual_seed(seed)
+    attn = MoHAttention(dim, h, head_dim, hs, k).eval()
+    with torch.no_grad():  # non-zero biases everywhere, so a missed or doubled bias shows
+        for p in attn.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return attn
+
+
+def crafted_routing(attn, batch, tokens, allowed, seed=0):
+    """A top-K decision that only ever picks routed heads in ``allowed`` (so the others
+    are used by no token), with random positive gates; dense gates consistent with it."""
+    gen = torch.Generator().manual_seed(seed)
+    hs, e, k = attn.num_shared_heads, attn.num_routed_heads, attn.top_k
+    scores = torch.rand(batch, tokens, e, generator=gen)
+    scores[..., [j for j in range(e) if j not in allowed]] = -1.0
+    routed_index = scores.topk(k, dim=-1).indices  # (B, N, K)
+    routed_gates = torch.rand(batch, tokens, k, generator=gen) + 0.1
+    gates = torch.cat(
+        [torch.rand(batch, tokens, hs, generator=gen) + 0.1,
+         torch.zeros(batch, tokens, e).scatter(-1, routed_index, routed_gates)], dim=-1
+    )
+    return MoHRouting(gates, routed_index, routed_gates, None, None)
+
+
+# Every (h, hs, K) with hs = 0, 1, many and K = 1 .. h - hs for small h.
+LAYOUTS = [(h, hs, k) for h in (3, 5) for hs in range(h) for k in range(1, h - hs + 1)]
+
+
+@pytest.mark.parametrize("h, hs, k", LAYOUTS)
+def test_sparse_equals_dense_masked_fp32(h, hs, k):
+    attn = layer(h, hs, k)
+    for batch, tokens in [(1, 1), (1, 9), (3, 1), (3, 17)]:
+        x = torch.randn(batch, tokens, 16)
+        with torch.no_grad():
+            routing = attn.route(x)
+            ref = DENSE(attn, x, routing)
+            assert rel_err(SPARSE(attn, x, routing), ref) <= 1e-5, (batch, tokens)
+            assert rel_err(BATCHED(attn, x, routing), ref) <= 1e-5, (batch, tokens)
+
+
+@pytest.mark.parametrize("h, hs, k", [(3, 0, 1), (5, 1, 2), (5, 2, 3), (6, 0, 5)])
+def test_loop_reference_matches_dense_masked(h, hs, k):
+    attn = layer(h, hs, k)
+    x = torch.randn(2, 11, 16)
+    with torch.no_grad():
+        routing = attn.route(x)
+        assert rel_err(sparse_attention_reference(attn, x, routing), DENSE(attn, x, routing)) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "h, hs, k, allowed",
+    [(6, 0, 1, [2]), (6, 0, 2, [0, 5]), (7, 2, 2, [1, 3, 4]), (7, 1, 1, [4]), (8, 3, 3, [0, 1, 2, 3])],
+)
+def test_heads_that_no_token_selects(h, hs, k, allowed):
+    attn = layer(h, hs, k)
+    for batch, tokens in [(1, 1), (2, 13)]:
+        x = torch.randn(batch, tokens, 16)
+        routing = crafted_routing(attn, batch, tokens, allowed)
+        with torch.no_grad():
+            ref = DENSE(attn, x, routing)
+            assert rel_err(SPARSE(attn, x, routing), ref) <= 1e-5
+            assert rel_err(BATCHED(attn, x, routing), ref) <= 1e-5
+            assert rel_err(sparse_attention_reference(attn, x, routing), ref) <= 1e-5
+
+
+def test_many_blocks_per_head(monkeypatch):
+    """The per-head strategy gathers and scatters in blocks of rows; force several."""
+    monkeypatch.setattr(sparse_attention, "_BLOCK_BYTES", 3 * 16 * 4)  # 3 rows of D = 16 floats
+    for h, hs, k in [(6, 0, 2), (7, 2, 3)]:
+        attn = layer(h, hs, k)
+        x = torch.randn(3, 23, 16)
+        with torch.no_grad():
+            routing = attn.route(x)
+            assert rel_err(SPARSE(attn, x, routing), DENSE(attn, x, routing)) <= 1e-5
+
+
+def test_without_biases():
+    torch.manual_seed(0)
+    attn = MoHAttention(16, 6, 4, 2, 2, bias=False).eval()
+    x = torch.randn(2, 9, 16)
+    with torch.no_grad():
+        routing = attn.route(x)
+        assert rel_err(SPARSE(attn, x, routing), DENSE(attn, x, routing)) <= 1e-5
+
+
+def _preset_layouts():
+    """Distinct (h, hs, K) of every MoH preset, at its trained top-K and at the top-K that
+    ``set_head_activation_ratio`` picks for other ratios."""
+    found = set()
+    for name, cfg in PRESETS.items():
+        if cfg.get("num_shared_heads") is None:
+            continue
+        layers = cfg["num_layers"]
+        heads = cfg["num_attention_heads"]
+        heads = heads if isinstance(heads, list) else [heads] * layers
+        shared = cfg["num_shared_heads"]
+        lowest = (sum(shared) + sum(1 for h, s in zip(heads, shared) if s == 0 and h > s)) / sum(heads)
+        for ratio in (None, 1.0, 0.95, 0.9, 0.8, 0.75, 0.65, 0.5, lowest):
+            if ratio is not None and ratio < lowest:
+                continue
+            k = cfg["top_k"] if ratio is None else top_k_for_ratio(heads, shared, cfg["top_k"], ratio)
+            found.update(zip(heads, shared, k))
+    return sorted(found)
+
+
+def test_every_preset_layout_and_ratio():
+    layouts = _preset_layouts()
+    assert (24, 16, 3) in layouts and (24, 14, 10) in layouts and (16, 8, 1) in layouts
+    for i, (h, hs, k) in enumerate(layouts):
+        attn = layer(h, hs, k, dim=24, head_dim=2, seed=i)
+        x = torch.randn(2, 16, 24)
+        with torch.no_grad():
+            routing = attn.route(x)
+            assert rel_err(SPARSE(attn, x, routing), DENSE(attn, x, routing)) <= 1e-5, (h, hs, k)
+
+
+@pytest.mark.parametrize("h, hs, k", [(6, 0, 2), (6, 2, 1), (5, 1, 3)])
+def test_bf16(h, hs, k):
+    attn = layer(h, hs, k)
+    x = torch.randn(3, 20, 16)
+    with torch.no_grad():
+        routing = attn.route(x)
+        exact = DENSE(attn, x, routing)
+        attn_bf16 = attn.to(torch.bfloat16)
+        x_bf16 = x.bfloat16()
+        dense = DENSE(attn_bf16, x_bf16, routing)
+        for processor in (SPARSE, BATCHED):
+            sparse = processor(attn_bf16, x_bf16, routing)
+            assert sparse.dtype == torch.bfloat16
+            # bf16 keeps 8 mantissa bits: both paths are <1e-2 from fp32, and that close to each other.
+            assert rel_err(sparse, dense) <= 2e-2
+            assert rel_err(sparse, exact) <= 2e-2
+    assert rel_err(dense, exact) > 1e-4  # bf16 really ran
+
+
+# ------------------------------------------------------------------ the model switch
+UNEVEN = dict(
+    sample_size=8, patch_size=2, in_channels=4, hidden_size=48, num_layers=4, attention_head_dim=12,
+    num_attention_heads=[2, 4, 6, 5], num_shared_heads=[2, 0, 4, 1], top_k=[0, 2, 1, 3], num_classes=7,
+)
+
+
+def model_and_inputs(randomize, cfg="UNEVEN", batch=3):
+    model = MoHDiTTransformer2DModel(**UNEVEN) if cfg == "UNEVEN" else MoHDiTTransformer2DModel.from_preset(cfg, sample_size=8)
+    randomize(model).eval()
+    for block in model.transformer_blocks:  # skip even at high routed density
+        block.attn1.sparse_processor = MoHSparseAttnProcessor(dense_above=1.0)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, model.config.in_channels, 8, 8, generator=gen)
+    t = torch.randint(0, 1000, (batch,), generator=gen)
+    y = torch.randint(0, model.config.num_classes, (batch,), generator=gen)
+    return model, x, t, y
+
+
+class Spy:
+    def __init__(self, processor):
+        self.processor, self.calls = processor, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.processor(*args, **kwargs)
+
+
+def spy_sparse(model):
+    spies = []
+    for block in model.transformer_blocks:
+        block.attn1.sparse_processor = Spy(block.attn1.sparse_processor)
+        spies.append(block.attn1.sparse_processor)
+    return lambda: sum(s.calls for s in spies)
+
+
+@pytest.mark.parametrize("cfg", ["UNEVEN", "MoH-DiT-Tiny"])
+def test_model_sparse_equals_dense_at_several_ratios(randomize, cfg):
+    model, x, t, y = model_and_inputs(randomize, cfg)
+    lowest = model.head_activation_range[0]
+    for ratio in (None, 1.0, 0.9, lowest):
+        model.set_head_activation_ratio(ratio)
+        with torch.no_grad():
+            model.set_sparse_inference(False)
+            dense = model(x, t, y).sample
+            model.set_sparse_inference(True)
+            sparse = model(x, t, y).sample
+        assert rel_err(sparse, dense) <= 1e-5, ratio
+    single = model_and_inputs(randomize, cfg, batch=1)
+    with torch.no_grad():
+        model.set_sparse_inference(False)
+        dense = model(*single[1:]).sample
+        model.set_sparse_inference(True)
+        assert rel_err(model(*single[1:]).sample, dense) <= 1e-5
+
+
+def test_path_selection(randomize):
+    model, x, t, y = model_and_inputs(randomize)
+    routed_layers = sum(1 for h, s in zip(model.layer_heads, model.layer_shared) if h > s)
+    sparse_calls = spy_sparse(model)
+
+    def calls(train, grad, setting):
+        model.train(train).set_sparse_inference(setting)
+        before = sparse_calls()
+        with torch.set_grad_enabled(grad):
+            model(x, t, y)
+        return sparse_calls() - before
+
+    assert calls(False, False, None) == routed_layers  # auto: eval without autograd
+    assert calls(False, True, None) == 0  # autograd on: dense-masked (router gradients)
+    assert calls(True, False, None) == 0  # training never
+    assert calls(True, True, True) == 0
+    assert calls(False, True, True) == routed_layers  # forced
+    assert calls(False, False, False) == 0
+    with pytest.raises(ValueError, match="True, False or None"):
+        model.set_sparse_inference("yes")
+    model.eval().set_sparse_inference(None)
+    model.transformer_blocks[1].attn1.set_processor(Spy(MoHAttnProcessor()))
+    before = sparse_calls()
+    with torch.no_grad():
+        model(x, t, y)
+    assert sparse_calls() - before == routed_layers - 1  # a user's own processor is respected
+
+
+def test_sparse_gradients_equal_dense(randomize):
+    model, x, t, y = model_and_inputs(randomize)
+
+    def grads(setting):
+        model.zero_grad(set_to_none=True)
+        model.set_sparse_inference(setting)
+        out = model(x, t, y, output_load_balance_loss=True)
+        (out.sample.square().mean() + 0.01 * out.load_balance_loss).backward()
+        # The sparse path leaves out the K bias (softmax cancels it): no gradient = zero.
+        return {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+    dense, sparse = grads(False), grads(True)
+    assert dense["transformer_blocks.1.attn1.router_routed.weight"].abs().sum() > 0
+    for name in dense:
+        assert torch.allclose(sparse[name], dense[name], rtol=1e-4, atol=1e-6), name
+    assert dense["transformer_blocks.1.attn1.to_k.bias"].abs().max() < 1e-6
+
+
+def test_compiled_eval_without_grad_has_no_graph_breaks(randomize):
+    """Auto mode keeps torch.compile on the dense-masked path (the sparse one has
+    data-dependent shapes)."""
+    model, x, t, y = model_and_inputs(randomize, "MoH-DiT-Tiny")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        out = compiled(x, t, y).sample
+        assert rel_err(out, model(x, t, y).sample) <= 1e-5
+
+
+def test_bad_arguments_rejected():
+    with pytest.raises(ValueError, match="per_head"):
+        MoHSparseAttnProcessor("fast")
+    with pytest.raises(ValueError, match="dense_above"):
+        MoHSparseAttnProcessor(dense_above=1.5)
+
+
+def test_dense_above_threshold():
+    processor = MoHSparseAttnProcessor(dense_above=0.5)
+    assert processor.skips_heads(layer(6, 2, 2))  # 2 of 4 routed heads
+    assert not processor.skips_heads(layer(6, 2, 3))  # 3 of 4: run dense-masked
+    assert not processor.skips_heads(layer(6, 2, 4))  # all selected: nothing to skip
+    assert not processor.skips_heads(layer(4, 4, 0))  # no routed heads
+    attn = layer(6, 2, 3)
+    x = torch.randn(2, 9, 16)
+    with torch.no_grad():
+        routing = attn.route(x)
+        assert torch.equal(processor(attn, x, routing), DENSE(attn, x, routing))
+
+
+def test_benchmark_script_layer_rows_smoke():
+    """The benchmark's layer part runs (tiny: one repeat, 64 tokens) and its rows add up."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_attention.py"
+    spec = importlib.util.spec_from_file_location("benchmark_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.layer_rows("B", 64, 1, [1.0, 0.5], 0, 1, torch.device("cpu"), torch.float32)
+    assert [(r["top_k"], r["realised_ratio"]) for r in rows] == [(12, 1.0), (6, 0.5)]
+    assert rows[1]["ideal_flop_ratio"] == pytest.approx(ideal_flop_ratio(64, 768, 768, 0.5))
+    assert all(r["dense_ms"] > 0 and r["sparse_ms"] > 0 for r in rows)
+    assert set(bench.check_targets(rows)) == {"sparse r=1.0: <= 1.05 x dense", "dense-masked: <= 1.10 x dense"}
+
+
+def test_ideal_flop_ratio():
+    assert ideal_flop_ratio(1024, 1152, 1152, 1.0) == pytest.approx(1.0)
+    # dense per token: 8 D Din + 4 N Din; sparse at r = 0.5: 6 D Din + 2 N Din
+    assert ideal_flop_ratio(1024, 1152, 1152, 0.5) == pytest.approx((6 * 1152 + 2 * 1024) / (8 * 1152 + 4 * 1024))
+    assert ideal_flop_ratio(256, 768, 768, 0.0) == pytest.approx(4 * 768 / (8 * 768 + 4 * 256))  # K, V only
