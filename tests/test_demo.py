@@ -15,7 +15,7 @@ def test_demo_end_to_end(tmp_path, monkeypatch, capsys):
     demo = runpy.run_path(str(ROOT / "scripts" / "demo.py"))
     args = demo["parse_args"]([
         "--output-dir", str(tmp_path / "demo"), "--images-per-class", "3", "--max-steps", "4", "--batch-size", "8",
-        "--sample-steps", "2", "--sweep-samples", "12", "--ratios", "1.0,trained,min",
+        "--sample-steps", "2", "--sweep-samples", "12", "--reference-per-class", "2", "--ratios", "1.0,trained,min",
     ])
     assert demo["main"](args) == 0
     out = capsys.readouterr().out
