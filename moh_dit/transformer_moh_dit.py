@@ -42,6 +42,10 @@ __all__ = [
 
 GATE_MODES = ("release", "paper")
 
+# When head-sparse inference is chosen automatically (see MoHAttention.uses_sparse_processor).
+AUTO_SPARSE_MAX_ACTIVE = 0.5
+AUTO_SPARSE_MIN_WORK = 256 * 768
+
 
 # --------------------------------------------------------------------------------------
 # Routing
@@ -155,8 +159,9 @@ class MoHAttention(Attention):
     the training path) and ``sparse_processor`` (``MoHSparseAttnProcessor``, which skips
     the routed heads a token did not select; same result to float rounding). ``None``
     (default) = automatic: head-sparse in eval mode when autograd is off (``torch.no_grad``
-    / ``torch.inference_mode``), the default processor is in place and the model is not
-    being compiled (the sparse path has data-dependent shapes); ``True`` = head-sparse
+    / ``torch.inference_mode``), the default processor is in place, the model is not
+    being compiled (the sparse path has data-dependent shapes) and the layer is sparse and
+    large enough for skipping to pay (``uses_sparse_processor``); ``True`` = head-sparse
     whenever in eval mode; ``False`` = never. Training mode always uses ``processor``.
     Assign a configured ``MoHSparseAttnProcessor`` to ``sparse_processor`` to change how it
     skips (strategy, density above which it computes dense-masked).
@@ -243,21 +248,33 @@ class MoHAttention(Attention):
             usage = shared_usage if usage_routed is None else torch.cat([shared_usage, usage_routed])
         return MoHRouting(gates, routed_index, routed_gates, lb_loss, usage)
 
-    def uses_sparse_processor(self) -> bool:
-        """Whether the next forward call takes the head-sparse path (see the class docstring)."""
+    def uses_sparse_processor(self, tokens: int | None = None) -> bool:
+        """Whether the next forward call takes the head-sparse path (see the class docstring).
+
+        Automatic mode also requires the layer to be sparse and large enough for skipping to
+        pay: at most ``AUTO_SPARSE_MAX_ACTIVE`` of its heads active and ``tokens * inner_dim``
+        of at least ``AUTO_SPARSE_MIN_WORK``. Below that, gathering the selected tokens costs
+        more than the skipped heads save (``scripts/benchmark_attention.py``: on 2 CPU cores a
+        DiT-B layer at 256 tokens took 0.88x dense time with half its heads active, 1.03x with
+        three quarters).
+        """
         if self.training or self.sparse_inference is False or not self.num_routed_heads:
             return False
         if self.sparse_inference:
             return True
+        active = (self.num_shared_heads + self.top_k) / self.heads
         return (
             not torch.is_grad_enabled()
             and type(self.processor) is MoHAttnProcessor
             and not torch.compiler.is_compiling()
+            and active <= AUTO_SPARSE_MAX_ACTIVE
+            and (tokens or 0) * self.inner_dim >= AUTO_SPARSE_MIN_WORK
         )
 
     def forward(self, hidden_states: torch.Tensor, need_stats: bool = False) -> tuple[torch.Tensor, MoHRouting | None]:
         routing = self.route(hidden_states, need_stats)
-        processor = self.sparse_processor if self.uses_sparse_processor() else self.processor
+        sparse = self.uses_sparse_processor(hidden_states.shape[1])
+        processor = self.sparse_processor if sparse else self.processor
         return processor(self, hidden_states, routing=routing), routing
 
 
@@ -514,7 +531,9 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
         ``True`` forces the head-sparse path (``MoHSparseAttnProcessor``: unselected routed
         heads are skipped; same output as the dense-masked path to float rounding, and
         same gradients), ``False`` forces the dense-masked path, ``None`` (default) picks
-        head-sparse automatically when autograd is off and the model is not being compiled.
+        head-sparse automatically when autograd is off, the model is not being compiled and
+        a layer is sparse and large enough for skipping to pay (at most half its heads
+        active, tokens x inner width >= 256 x 768; smaller work is faster dense-masked).
         Training mode always uses the dense-masked path. A dense DiT ignores the setting.
         """
         if enabled is not None and not isinstance(enabled, bool):

@@ -223,7 +223,24 @@ def test_model_sparse_equals_dense_at_several_ratios(randomize, cfg):
         assert rel_err(model(*single[1:]).sample, dense) <= 1e-5
 
 
-def test_path_selection(randomize):
+def test_auto_mode_keeps_small_or_dense_layers_masked(randomize):
+    """With the default thresholds a tiny model, or a layer with most heads active, stays on
+    the dense-masked path in automatic mode (skipping would cost more than it saves)."""
+    model, x, t, y = model_and_inputs(randomize)
+    sparse_calls = spy_sparse(model)
+    model.eval().set_sparse_inference(None)
+    with torch.no_grad():
+        model(x, t, y)
+    assert sparse_calls() == 0
+    attn = model.transformer_blocks[1].attn1
+    assert not attn.uses_sparse_processor(tokens=10**6) or (attn.num_shared_heads + attn.top_k) / attn.heads <= 0.5
+
+
+def test_path_selection(randomize, monkeypatch):
+    import moh_dit.transformer_moh_dit as tmd
+
+    monkeypatch.setattr(tmd, "AUTO_SPARSE_MAX_ACTIVE", 1.0)
+    monkeypatch.setattr(tmd, "AUTO_SPARSE_MIN_WORK", 0)
     model, x, t, y = model_and_inputs(randomize)
     routed_layers = sum(1 for h, s in zip(model.layer_heads, model.layer_shared) if h > s)
     sparse_calls = spy_sparse(model)
