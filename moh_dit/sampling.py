@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .io_utils import atomic_write, write_json_atomic
+from .latents import load_vae
 from .pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, MoHDiTPipeline, make_scheduler
 from .transformer_moh_dit import MoHDiTTransformer2DModel
 
@@ -232,9 +233,7 @@ def load_pipeline(
 def _load_vae(vae: str | None):
     if vae is None or vae.lower() == "none":
         return None
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL.from_pretrained(vae)
+    return load_vae(vae)
 
 
 def preview_head_activation(transformer: MoHDiTTransformer2DModel, ratio: float | None) -> tuple[float, list[int]]:
