@@ -53,6 +53,7 @@ __all__ = [
     "run_identity",
     "check_or_write_settings",
     "sample_images",
+    "generate_batch",
 ]
 
 CLASS_LABEL_MODES = ("balanced", "uniform")
@@ -294,6 +295,24 @@ def check_or_write_settings(output: str | os.PathLike, identity: dict[str, Any],
 # --------------------------------------------------------------------------------------
 
 
+def generate_batch(pipe: MoHDiTPipeline, settings: SampleSettings, indices: Sequence[int]) -> tuple[np.ndarray, float]:
+    """uint8 (B, H, W, C) images of run indices ``indices`` (class ``class_labels_for(i)``, seed
+    ``settings.seed + i``, DiT's quantisation) and the head activation ratio the pipeline ran at."""
+    labels = class_labels_for(indices, pipe.transformer.config.num_classes, settings.class_labels, settings.seed)
+    out = pipe(
+        labels,
+        guidance_scale=settings.guidance_scale,
+        guidance_channels=settings.guidance_channels,
+        num_inference_steps=settings.num_inference_steps,
+        head_activation_ratio=settings.head_activation_ratio,
+        seeds=[settings.seed + i for i in indices],
+        output_type="latent",
+    )
+    with torch.no_grad():
+        images = quantize_dit(pipe.decode(out.images))  # (B, H, W, C) uint8; the copy to CPU synchronises
+    return images, out.head_activation_ratio
+
+
 def sample_images(
     pipe: MoHDiTPipeline,
     output: str | os.PathLike,
@@ -315,23 +334,11 @@ def sample_images(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     (Path(output) / IMAGE_DIR).mkdir(parents=True, exist_ok=True)
     todo = missing_indices(output, indices_for_rank(settings.num_samples, rank, world_size))
-    num_classes = pipe.transformer.config.num_classes
     pipe.set_progress_bar_config(disable=True)
     bar = tqdm(total=len(todo), disable=not progress, unit="img", desc=f"sampling (rank {rank})")
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
-        labels = class_labels_for(batch, num_classes, settings.class_labels, settings.seed)
-        latents = pipe(
-            labels,
-            guidance_scale=settings.guidance_scale,
-            guidance_channels=settings.guidance_channels,
-            num_inference_steps=settings.num_inference_steps,
-            head_activation_ratio=settings.head_activation_ratio,
-            seeds=[settings.seed + i for i in batch],
-            output_type="latent",
-        ).images
-        with torch.no_grad():
-            images = quantize_dit(pipe.decode(latents))  # (B, H, W, C) uint8
+        images, _ = generate_batch(pipe, settings, batch)
         for index, image in zip(batch, images):
             save_png_atomic(png_path(output, index), image)
         bar.update(len(batch))

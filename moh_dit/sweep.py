@@ -53,11 +53,10 @@ from .io_utils import write_bytes_atomic, write_json_atomic
 from .pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, MoHDiTPipeline
 from .sampling import (
     SampleSettings,
-    class_labels_for,
+    generate_batch,
     load_pipeline,
     png_path,
     preview_head_activation,
-    quantize_dit,
     run_identity,
     save_png_atomic,
 )
@@ -316,32 +315,18 @@ def _sample_batches(
     """uint8 (B, H, W, 3) batches of images ``0 .. num_samples - 1`` as ``sample_images``
     makes them (class ``class_labels_for(i)``, seed ``settings.seed + i``, DiT's quantisation);
     only the pipeline and decoding time is added to ``clock``."""
-    num_classes = pipe.transformer.config.num_classes
     synchronize = pipe._execution_device.type == "cuda"
     if save_dir is not None:
         png_path(save_dir, 0).parent.mkdir(parents=True, exist_ok=True)
     for start in range(0, settings.num_samples, batch_size):
         batch = list(range(start, min(start + batch_size, settings.num_samples)))
-        labels = class_labels_for(batch, num_classes, settings.class_labels, settings.seed)
         if synchronize:
             torch.cuda.synchronize()
         began = time.perf_counter()
-        out = pipe(
-            labels,
-            guidance_scale=settings.guidance_scale,
-            guidance_channels=settings.guidance_channels,
-            num_inference_steps=settings.num_inference_steps,
-            head_activation_ratio=settings.head_activation_ratio,
-            seeds=[settings.seed + i for i in batch],
-            output_type="latent",
-        )
-        with torch.no_grad():
-            images = quantize_dit(pipe.decode(out.images))  # (B, H, W, C) uint8; the copy to CPU synchronises
+        images, ran_at = generate_batch(pipe, settings, batch)
         clock.seconds += time.perf_counter() - began
-        if abs(out.head_activation_ratio - realised) > 1e-9:
-            raise RuntimeError(
-                f"the pipeline ran at head activation {out.head_activation_ratio:.4f}, not the planned {realised:.4f}."
-            )
+        if abs(ran_at - realised) > 1e-9:
+            raise RuntimeError(f"the pipeline ran at head activation {ran_at:.4f}, not the planned {realised:.4f}.")
         if images.shape[-1] != 3:
             raise ValueError(f"the model makes {images.shape[-1]}-channel images; the evaluation needs RGB.")
         if save_dir is not None:
@@ -356,12 +341,7 @@ def _warm_up(pipe: MoHDiTPipeline, settings: SampleSettings, batch_size: int) ->
     one-off costs (allocator growth, kernel selection, lazy initialisation) that would
     otherwise be charged to that ratio's wall time."""
     batch = list(range(min(batch_size, settings.num_samples)))
-    labels = class_labels_for(batch, pipe.transformer.config.num_classes, settings.class_labels, settings.seed)
-    out = pipe(labels, guidance_scale=settings.guidance_scale, guidance_channels=settings.guidance_channels,
-               num_inference_steps=1, head_activation_ratio=settings.head_activation_ratio, seeds=batch,
-               output_type="latent")
-    with torch.no_grad():
-        quantize_dit(pipe.decode(out.images))
+    generate_batch(pipe, dataclasses.replace(settings, num_inference_steps=1), batch)
 
 
 def _resolve_extractor(
