@@ -11,6 +11,7 @@ from .transformer_moh_dit import (
     top_k_for_ratio,
 )
 from .pipelines.pipeline_moh_dit import MoHDiTPipeline, MoHDiTPipelineOutput
+from .sparse_attention import MoHSparseAttnProcessor
 
 __version__ = "0.1.0"
 
@@ -27,4 +28,5 @@ __all__ = [
     "top_k_for_ratio",
     "MoHDiTPipeline",
     "MoHDiTPipelineOutput",
+    "MoHSparseAttnProcessor",
 ]
