@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MoHSparseAttnProcessor", "sparse_attention_reference", "ideal_flop_ratio"]
 
-STRATEGIES = ("per_head", "batched")
+STRATEGIES = ("per_head", "batched", "packed")
 
 
 def ideal_flop_ratio(tokens: int, hidden: int, inner: int, ratio: float) -> float:
@@ -100,6 +100,9 @@ class MoHSparseAttnProcessor:
     def __call__(self, attn: MoHAttention, hidden_states: torch.Tensor, routing: MoHRouting | None = None):
         if routing is None or routing.routed_index is None or not self.skips_heads(attn):
             return self._dense_masked(attn, hidden_states, routing)
+        strategy = self.strategy or self.default_strategy(hidden_states.device)
+        if strategy == "packed":
+            return self._packed(attn, hidden_states, routing)
         batch, tokens, dim = hidden_states.shape
         heads, head_dim = attn.heads, attn.inner_dim // attn.heads
         shared, routed = attn.num_shared_heads, attn.num_routed_heads
@@ -148,10 +151,80 @@ class MoHSparseAttnProcessor:
             out[:rows].copy_(b_out.expand(rows, dim))
 
         if live:
-            strategy = self.strategy or ("per_head" if device.type == "cpu" else "batched")
             self._routed(attn, x, gates, member[live_t], counts[live_t], counts_host, live, key, value, b_v, out, strategy)
         out = out[:rows].view(batch, tokens, dim)  # (B, N, D)
         return attn.to_out[1](out)
+
+    @staticmethod
+    def default_strategy(device: torch.device) -> str:
+        """The strategy used when none is given: ``"per_head"`` on CPU, ``"packed"`` elsewhere."""
+        return "per_head" if device.type == "cpu" else "packed"
+
+    @staticmethod
+    def _packed(attn, hidden_states, routing):
+        """The packed strategy: no host sync, no Python loop over heads, static shapes
+        except inside the attention core.
+
+        Q, K and V are projected for all heads and the output projection is one GEMM over
+        all heads (on a GPU these GEMMs are cheap, while gathering and scattering D-wide
+        rows per (token, head) pair moves more bytes than the whole dense layer). What is
+        skipped is the attention core, the part that grows with N: the B*N*K selected
+        (token, head) pairs are sorted into (routed head, image) groups, and one jagged
+        SDPA call (nested tensor; flash / memory-efficient varlen kernels on CUDA) attends
+        each group's queries to its N keys. Every group carries one extra sink query (gate
+        0, written to a discarded row), so no group is empty: fused kernels refuse
+        zero-length sequences. Unselected pairs stay zero before the output projection.
+        """
+        batch, tokens, dim = hidden_states.shape
+        heads, head_dim = attn.heads, attn.inner_dim // attn.heads
+        shared, routed, k = attn.num_shared_heads, attn.num_routed_heads, attn.top_k
+        rows, groups, device = batch * tokens, routed * batch, hidden_states.device
+        x = hidden_states.reshape(rows, dim)  # (B*N, D)
+        query = attn.to_q(x).view(rows, heads, head_dim)  # (B*N, h, d)
+        key = attn.to_k(x).view(batch, tokens, heads, head_dim)  # (B, N, h, d)
+        value = attn.to_v(x).view(batch, tokens, heads, head_dim)
+
+        # Gated attention output of every (token, head) pair, zero where not selected; then
+        # one sink row per group.
+        z = x.new_zeros(rows * heads + groups, head_dim)
+        if shared:
+            o = F.scaled_dot_product_attention(
+                query.view(batch, tokens, heads, head_dim)[:, :, :shared].transpose(1, 2),
+                key[:, :, :shared].transpose(1, 2), value[:, :, :shared].transpose(1, 2),
+            )  # (B, hs, N, d)
+            o = o.transpose(1, 2) * routing.gates[..., :shared, None].to(o.dtype)  # (B, N, hs, d)
+            z[: rows * heads].view(rows, heads, head_dim)[:, :shared] = o.reshape(rows, shared, head_dim)
+
+        # The selected pairs (ordered by image, token, slot) and one sink per group, sorted
+        # into groups g = routed head * B + image, sinks last in their group.
+        pairs = rows * k
+        head = torch.cat([routing.routed_index.reshape(-1), torch.arange(groups, device=device) // batch])  # (P+G,)
+        image = torch.cat([
+            torch.arange(batch, device=device).repeat_interleave(tokens * k), torch.arange(groups, device=device) % batch
+        ])
+        sink = torch.arange(pairs + groups, device=device) >= pairs
+        group = head * batch + image  # (P+G,)
+        order = torch.argsort(group * 2 + sink, stable=True)
+        head, sink, group = head[order], sink[order], group[order]
+        row = torch.cat([torch.arange(rows, device=device).repeat_interleave(k), torch.zeros(groups, dtype=torch.long, device=device)])[order]
+        gate = torch.cat([routing.routed_gates.reshape(-1), routing.routed_gates.new_zeros(groups)])[order]
+        # Group sizes by scatter_add (bincount would sync on CUDA to size its output); each >= 1.
+        lengths = torch.zeros(groups, dtype=torch.long, device=device).scatter_add_(0, group, torch.ones_like(group))
+        offsets = F.pad(lengths.cumsum(0), (1, 0))  # (G+1,)
+
+        q = query[row, shared + head].unsqueeze(1)  # (P+G, 1, d)
+        kv_offsets = torch.arange(groups + 1, device=device) * tokens
+        kv = [t[:, :, shared:].permute(2, 0, 1, 3).reshape(groups * tokens, 1, head_dim) for t in (key, value)]
+        nested = torch.nested.nested_tensor_from_jagged
+        o = F.scaled_dot_product_attention(
+            nested(q, offsets, min_seqlen=1, max_seqlen=tokens + 1).transpose(1, 2),
+            nested(kv[0], kv_offsets, min_seqlen=tokens, max_seqlen=tokens).transpose(1, 2),
+            nested(kv[1], kv_offsets, min_seqlen=tokens, max_seqlen=tokens).transpose(1, 2),
+        ).transpose(1, 2).values().squeeze(1)  # (P+G, d), in the packed order
+        target = torch.where(sink, rows * heads + group, row * heads + shared + head)  # rows of z
+        z.index_copy_(0, target, o * gate.to(o.dtype).unsqueeze(1))
+        out = attn.to_out[0](z[: rows * heads].view(rows, heads * head_dim))  # (B*N, D)
+        return attn.to_out[1](out).view(batch, tokens, dim)
 
     @staticmethod
     def _routed(attn, x, gates, member, counts, counts_host, live, key, value, b_v, out, strategy):

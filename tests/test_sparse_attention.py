@@ -25,6 +25,12 @@ DENSE = MoHAttnProcessor()
 # dense_above=1.0: always skip, so that dense layouts really test the sparse computation.
 SPARSE = MoHSparseAttnProcessor(dense_above=1.0)  # "per_head" on CPU
 BATCHED = MoHSparseAttnProcessor("batched", dense_above=1.0)
+PACKED = MoHSparseAttnProcessor("packed", dense_above=1.0)  # the CUDA default; jagged SDPA
+ALL = (SPARSE, BATCHED, PACKED)
+
+# On CPU the jagged SDPA of the packed strategy runs torch's math fallback, which warns
+# that strided nested tensors are a prototype.
+pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
 
 
 def rel_err(a, b):
@@ -68,8 +74,8 @@ def test_sparse_equals_dense_masked_fp32(h, hs, k):
         with torch.no_grad():
             routing = attn.route(x)
             ref = DENSE(attn, x, routing)
-            assert rel_err(SPARSE(attn, x, routing), ref) <= 1e-5, (batch, tokens)
-            assert rel_err(BATCHED(attn, x, routing), ref) <= 1e-5, (batch, tokens)
+            for processor in ALL:
+                assert rel_err(processor(attn, x, routing), ref) <= 1e-5, (processor.strategy, batch, tokens)
 
 
 @pytest.mark.parametrize("h, hs, k", [(3, 0, 1), (5, 1, 2), (5, 2, 3), (6, 0, 5)])
@@ -92,8 +98,8 @@ def test_heads_that_no_token_selects(h, hs, k, allowed):
         routing = crafted_routing(attn, batch, tokens, allowed)
         with torch.no_grad():
             ref = DENSE(attn, x, routing)
-            assert rel_err(SPARSE(attn, x, routing), ref) <= 1e-5
-            assert rel_err(BATCHED(attn, x, routing), ref) <= 1e-5
+            for processor in ALL:
+                assert rel_err(processor(attn, x, routing), ref) <= 1e-5, processor.strategy
             assert rel_err(sparse_attention_reference(attn, x, routing), ref) <= 1e-5
 
 
@@ -114,7 +120,8 @@ def test_without_biases():
     x = torch.randn(2, 9, 16)
     with torch.no_grad():
         routing = attn.route(x)
-        assert rel_err(SPARSE(attn, x, routing), DENSE(attn, x, routing)) <= 1e-5
+        for processor in ALL:
+            assert rel_err(processor(attn, x, routing), DENSE(attn, x, routing)) <= 1e-5, processor.strategy
 
 
 def _preset_layouts():
@@ -145,7 +152,9 @@ def test_every_preset_layout_and_ratio():
         x = torch.randn(2, 16, 24)
         with torch.no_grad():
             routing = attn.route(x)
-            assert rel_err(SPARSE(attn, x, routing), DENSE(attn, x, routing)) <= 1e-5, (h, hs, k)
+            ref = DENSE(attn, x, routing)
+            assert rel_err(SPARSE(attn, x, routing), ref) <= 1e-5, (h, hs, k)
+            assert rel_err(PACKED(attn, x, routing), ref) <= 1e-5, (h, hs, k)
 
 
 @pytest.mark.parametrize("h, hs, k", [(6, 0, 2), (6, 2, 1), (5, 1, 3)])
@@ -158,7 +167,7 @@ def test_bf16(h, hs, k):
         attn_bf16 = attn.to(torch.bfloat16)
         x_bf16 = x.bfloat16()
         dense = DENSE(attn_bf16, x_bf16, routing)
-        for processor in (SPARSE, BATCHED):
+        for processor in ALL:
             sparse = processor(attn_bf16, x_bf16, routing)
             assert sparse.dtype == torch.bfloat16
             # bf16 keeps 8 mantissa bits: both paths are <1e-2 from fp32, and that close to each other.
@@ -295,6 +304,40 @@ def test_compiled_eval_without_grad_has_no_graph_breaks(randomize):
     with torch.no_grad():
         out = compiled(x, t, y).sample
         assert rel_err(out, model(x, t, y).sample) <= 1e-5
+
+
+def test_packed_strategy_in_the_model_and_its_gradients(randomize):
+    """The packed strategy through the model switch (ratio changes included), and its
+    gradients, equal the dense-masked ones."""
+    model, x, t, y = model_and_inputs(randomize)
+    for block in model.transformer_blocks:
+        block.attn1.sparse_processor = MoHSparseAttnProcessor("packed", dense_above=1.0)
+    for ratio in (None, model.head_activation_range[0]):
+        model.set_head_activation_ratio(ratio)
+        with torch.no_grad():
+            model.set_sparse_inference(False)
+            dense = model(x, t, y).sample
+            model.set_sparse_inference(True)
+            assert rel_err(model(x, t, y).sample, dense) <= 1e-5, ratio
+    model.set_head_activation_ratio(None)
+    x.requires_grad_(True)
+    grads = []
+    for setting in (False, True):
+        model.set_sparse_inference(setting)
+        x.grad = None
+        model(x, t, y).sample.square().mean().backward()
+        grads.append(x.grad.clone())
+    assert torch.allclose(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
+def test_strategy_switch_and_defaults(randomize):
+    model, *_ = model_and_inputs(randomize)
+    model.set_sparse_inference(True, strategy="batched")
+    assert all(b.attn1.sparse_processor.strategy == "batched" for b in model.transformer_blocks)
+    with pytest.raises(ValueError, match="strategy='fast'"):
+        model.set_sparse_inference(True, strategy="fast")
+    assert MoHSparseAttnProcessor.default_strategy(torch.device("cpu")) == "per_head"
+    assert MoHSparseAttnProcessor.default_strategy(torch.device("cuda")) == "packed"
 
 
 def test_bad_arguments_rejected():
