@@ -28,6 +28,7 @@ from diffusers.utils import BaseOutput
 from torch import nn
 
 from .presets import get_preset, resolve_layer_layout
+from .sparse_attention import STRATEGIES as SPARSE_STRATEGIES
 from .sparse_attention import MoHSparseAttnProcessor
 
 __all__ = [
@@ -525,7 +526,7 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
             block.attn1.top_k = k
         return self.head_activation_ratio
 
-    def set_sparse_inference(self, enabled: bool | None) -> None:
+    def set_sparse_inference(self, enabled: bool | None, strategy: str | None = None) -> None:
         """Choose the attention path used in eval mode for every MoH layer.
 
         ``True`` forces the head-sparse path (``MoHSparseAttnProcessor``: unselected routed
@@ -535,11 +536,20 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
         a layer is sparse and large enough for skipping to pay (at most half its heads
         active, tokens x inner width >= 256 x 768; smaller work is faster dense-masked).
         Training mode always uses the dense-masked path. A dense DiT ignores the setting.
+
+        ``strategy`` (optional) sets how the head-sparse path works on every layer:
+        ``"per_head"``, ``"batched"`` or ``"packed"`` (see ``MoHSparseAttnProcessor``);
+        ``None`` leaves it as it is (by default chosen by device: ``per_head`` on CPU,
+        ``packed`` on CUDA).
         """
         if enabled is not None and not isinstance(enabled, bool):
             raise ValueError(f"set_sparse_inference takes True, False or None; got {enabled!r}.")
+        if strategy is not None and strategy not in SPARSE_STRATEGIES:
+            raise ValueError(f"strategy={strategy!r}; choose one of {SPARSE_STRATEGIES} or None.")
         for block in self.transformer_blocks:
             block.attn1.sparse_inference = enabled
+            if strategy is not None:
+                block.attn1.sparse_processor.strategy = strategy
 
     # ---------------------------------------------------------------- forward
     def _check_inputs(self, hidden_states: torch.Tensor, timestep, class_labels) -> torch.Tensor:
@@ -559,7 +569,12 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
             raise ValueError(f"class_labels must have shape ({batch},); got {tuple(class_labels.shape)}.")
         if class_labels.dtype.is_floating_point or class_labels.dtype == torch.bool:
             raise ValueError(f"class_labels must be integer class ids; got dtype {class_labels.dtype}.")
-        if not torch.compiler.is_compiling():
+        # The range check reads the labels on the host. On a GPU that is a sync per forward,
+        # so it is skipped in no-grad GPU inference (the sampling loop: the pipeline has
+        # checked the labels before moving them; a bad id there trips the embedding's
+        # device-side assert). On the CPU and in training it always runs.
+        host_check = class_labels.device.type == "cpu" or torch.is_grad_enabled()
+        if host_check and not torch.compiler.is_compiling():
             lo, hi = int(class_labels.min()), int(class_labels.max())
             if lo < 0 or hi > self.config.num_classes:
                 raise ValueError(
