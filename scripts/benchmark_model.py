@@ -1,6 +1,13 @@
-"""Forward time of MoH-DiT vs diffusers' DiTTransformer2DModel of the same size, in one run.
+"""Forward (or training-step) time of MoH-DiT vs diffusers' DiTTransformer2DModel of the
+same size, in one run.
 
     python scripts/benchmark_model.py --size S --batch-size 4 --repeats 7
+    python scripts/benchmark_model.py --size XL --batch-size 32 --train --autocast bf16   # on a GPU
+
+``--train`` times one optimisation step per call (forward in train mode, MSE on the
+output plus, for MoH, 0.01 x the load-balance loss as in training, backward, AdamW step),
+with float32 master weights and optional autocast, as ``scripts/train.py --mixed-precision``
+does. MoH layers train dense-masked (the routers need their gradients).
 
 Timings are interleaved (one call of each model per round) and the median is reported,
 as ratios to diffusers' DiT, because a shared machine's speed drifts between runs.
@@ -39,16 +46,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(size: str = "S", batch_size: int = 4, repeats: int = 7, device: str | None = None, dtype: str = "float32") -> dict:
+def run(
+    size: str = "S", batch_size: int = 4, repeats: int = 7, device: str | None = None, dtype: str = "float32",
+    train: bool = False, autocast: str | None = None,
+) -> dict:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = getattr(torch, dtype)
+    if train and dt != torch.float32:
+        raise ValueError("--train keeps float32 master weights; use --autocast bf16|fp16 for mixed precision.")
     torch.manual_seed(0)
     models = {f"diffusers DiT-{size}/2": diffusers_dit(f"DiT-{size}/2"), f"moh-dit DiT-{size}/2": None}
     models[f"moh-dit DiT-{size}/2"] = MoHDiTTransformer2DModel.from_preset(f"DiT-{size}/2")
     for suffix in ("90", "75"):
         name = f"MoH-DiT-{size}/2-{suffix}"
         models[name] = MoHDiTTransformer2DModel.from_preset(name)
-        if hasattr(models[name], "set_sparse_inference"):
+        if not train:
             dense = MoHDiTTransformer2DModel.from_preset(name)
             dense.load_state_dict(models[name].state_dict())
             dense.set_sparse_inference(False)
@@ -58,22 +70,25 @@ def run(size: str = "S", batch_size: int = 4, repeats: int = 7, device: str | No
     for m in models.values():
         for p in m.parameters():  # non-zero adaLN/output so nothing short-circuits
             torch.nn.init.normal_(p, std=0.02)
-        m.to(dev).eval()
+        m.to(dev).train(train)
         if dt != torch.float32:
             m.to(dt)
     cfg = PRESETS[f"DiT-{size}/2"]
     x = torch.randn(batch_size, cfg["in_channels"], cfg["sample_size"], cfg["sample_size"], device=dev, dtype=dt)
     t = torch.randint(0, 1000, (batch_size,), device=dev)
     y = torch.randint(0, cfg["num_classes"], (batch_size,), device=dev)
+    target = torch.randn(batch_size, 2 * cfg["in_channels"], cfg["sample_size"], cfg["sample_size"], device=dev)
+    calls = {name: _train_step(m, x, t, y, target, autocast) if train else _forward(m, x, t, y) for name, m in models.items()}
     times: dict[str, list[float]] = {k: [] for k in models}
-    with torch.inference_mode():
-        for m in models.values():  # warm-up
-            m(x, t, y)
+    with torch.inference_mode(not train):
+        for call in calls.values():  # warm-up (twice: AdamW allocates its state on the first step)
+            call()
+            call()
         for _ in range(repeats):
-            for name, m in models.items():
+            for name, call in calls.items():
                 _sync(dev)
                 start = time.perf_counter()
-                m(x, t, y)
+                call()
                 _sync(dev)
                 times[name].append(time.perf_counter() - start)
     base = statistics.median(times[f"diffusers DiT-{size}/2"])
@@ -84,9 +99,34 @@ def run(size: str = "S", batch_size: int = 4, repeats: int = 7, device: str | No
         rows.append(dict(model=name, median_ms=med * 1e3, ratio_to_diffusers=med / base, head_activation=act))
     return dict(
         rows=rows, size=size, batch_size=batch_size, repeats=repeats, device=str(dev), dtype=dtype,
+        mode="train step" if train else "forward", autocast=autocast,
         machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads)" + (f", {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else ""),
     )
+
+
+def _forward(model, x, t, y):
+    return lambda: model(x, t, y)
+
+
+def _train_step(model, x, t, y, target, autocast: str | None):
+    """One AdamW step on an MSE loss (plus 0.01 x the load-balance loss for MoH)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    moh = isinstance(model, MoHDiTTransformer2DModel) and model.is_moh
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(autocast)
+
+    def step():
+        with torch.autocast(x.device.type, dtype=amp, enabled=amp is not None):
+            if moh:
+                out = model(x, t, y, output_load_balance_loss=True)
+                loss = (out.sample.float() - target).pow(2).mean() + 0.01 * out.load_balance_loss
+            else:
+                loss = (model(x, t, y).sample.float() - target).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,13 +136,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--train", action="store_true", help="time training steps instead of forwards")
+    parser.add_argument("--autocast", default=None, choices=["bf16", "fp16"], help="mixed precision for --train")
     parser.add_argument("--json", default=None, help="also write the table as JSON here")
     return parser.parse_args(argv)
 
 
 def main(args: argparse.Namespace) -> int:
-    result = run(args.size, args.batch_size, args.repeats, args.device, args.dtype)
-    print(f"{result['machine']} | {result['device']} {result['dtype']} | batch {result['batch_size']}, 32x32x4 latents, "
+    result = run(args.size, args.batch_size, args.repeats, args.device, args.dtype, args.train, args.autocast)
+    print(f"{result['machine']} | {result['device']} {result['dtype']} | {result['mode']}"
+          f"{', autocast ' + args.autocast if args.autocast else ''} | batch {result['batch_size']}, 32x32x4 latents, "
           f"median of {result['repeats']} interleaved runs")
     print(f"{'model':<40} {'ms':>9} {'vs diffusers':>13} {'heads on':>9}")
     for r in result["rows"]:

@@ -1,0 +1,141 @@
+"""CUDA checks: the head-sparse strategies and the model on a GPU.
+
+Skipped without a CUDA device (CI has none); run them on a GPU machine with
+``python -m pytest -q tests/test_cuda.py``. Sizes use head dims the fused attention kernels
+accept (multiples of 8), so the flash / memory-efficient (and, for the packed strategy,
+jagged varlen) kernels are the ones tested.
+"""
+
+import pytest
+import torch
+
+from moh_dit import MoHDiTTransformer2DModel
+from moh_dit.sparse_attention import STRATEGIES, MoHSparseAttnProcessor
+from moh_dit.transformer_moh_dit import MoHAttention, MoHAttnProcessor
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DENSE = MoHAttnProcessor()
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    """No TF32 anywhere (the patch embedding is a convolution: cuDNN allows TF32 by default)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def layer(heads, shared, k, head_dim=72, seed=0):
+    torch.manual_seed(seed)
+    attn = MoHAttention(heads * head_dim, heads, head_dim, shared, k).eval()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+    return attn.cuda()
+
+
+LAYOUTS = [(16, 0, 8), (16, 0, 1), (16, 4, 3), (12, 2, 9), (8, 1, 7)]
+
+
+@pytest.mark.parametrize("heads, shared, k", LAYOUTS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategies_equal_dense_masked_fp32(heads, shared, k, strategy):
+    attn = layer(heads, shared, k)
+    processor = MoHSparseAttnProcessor(strategy, dense_above=1.0)
+    for batch, tokens in [(1, 1), (3, 256), (2, 1024)]:
+        x = torch.randn(batch, tokens, heads * 72, device="cuda")
+        with torch.no_grad():
+            routing = attn.route(x)
+            err = rel_err(processor(attn, x, routing), DENSE(attn, x, routing))
+        assert err <= 1e-5, (batch, tokens, err)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategies_bf16(strategy):
+    attn = layer(16, 2, 5)
+    x = torch.randn(4, 1024, 16 * 72, device="cuda")
+    processor = MoHSparseAttnProcessor(strategy, dense_above=1.0)
+    with torch.no_grad():
+        routing = attn.route(x)
+        exact = DENSE(attn, x, routing)
+        attn_bf16, x_bf16 = attn.to(torch.bfloat16), x.bfloat16()
+        masked = DENSE(attn_bf16, x_bf16, routing)
+        sparse = processor(attn_bf16, x_bf16, routing)
+    assert sparse.dtype == torch.bfloat16
+    assert rel_err(sparse, exact) <= 2e-2
+    assert rel_err(sparse, exact) <= 2 * rel_err(masked, exact) + 1e-3
+
+
+def test_packed_layer_and_model_run_without_host_sync(randomize):
+    """The packed strategy (the CUDA default) and a whole sampling-mode forward never wait
+    for the GPU: torch raises on any synchronising call under sync debug mode "error"."""
+    attn = layer(16, 2, 5)
+    x = torch.randn(2, 256, 16 * 72, device="cuda")
+    processor = MoHSparseAttnProcessor("packed", dense_above=1.0)
+    model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-S/2-75", sample_size=16)).cuda().eval()
+    model.set_sparse_inference(True, strategy="packed")
+    latents = torch.randn(2, 4, 16, 16, device="cuda")
+    t = torch.tensor([10, 500], device="cuda")
+    y = torch.tensor([3, 1000], device="cuda")
+    with torch.no_grad():
+        routing = attn.route(x)
+        processor(attn, x, routing)  # warm-up: lazy initialisation may synchronise
+        model(latents, t, y)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            processor(attn, x, attn.route(x))
+            model(latents, t, y)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_model_on_cuda_matches_cpu(randomize, strategy):
+    """A MoH-DiT-S/2-75 forward on the GPU (dense-masked and head-sparse at a lowered ratio)
+    equals the CPU float32 result."""
+    model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-S/2-75", sample_size=16), std=0.05).eval()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, 16, 16, generator=gen)
+    t = torch.tensor([0, 250, 999])
+    y = torch.tensor([1, 7, 1000])
+    model.set_head_activation_ratio(0.6)
+    with torch.no_grad():
+        cpu = model(x, t, y).sample
+        gpu = model.cuda()
+        gpu.set_sparse_inference(False)
+        masked = gpu(x.cuda(), t.cuda(), y.cuda()).sample.cpu()
+        gpu.set_sparse_inference(True, strategy=strategy)
+        sparse = gpu(x.cuda(), t.cuda(), y.cuda()).sample.cpu()
+    assert rel_err(masked, cpu) <= 1e-4
+    assert rel_err(sparse, masked) <= 1e-5
+
+
+def test_training_step_on_cuda_bf16(randomize):
+    """A few bf16-autocast training steps of MoH-DiT on the GPU: finite loss, routers get
+    gradients, the loss goes down on a fixed batch."""
+    model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-S/2-75", sample_size=16), std=0.02).cuda().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 4, 16, 16, device="cuda")
+    t = torch.randint(0, 1000, (8,), device="cuda")
+    y = torch.randint(0, 1000, (8,), device="cuda")
+    target = torch.randn(8, 8, 16, 16, device="cuda")
+    losses = []
+    for _ in range(10):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(x, t, y, output_load_balance_loss=True)
+            loss = (out.sample.float() - target).pow(2).mean() + 0.01 * out.load_balance_loss
+        loss.backward()
+        router = model.transformer_blocks[0].attn1.router_routed.weight.grad
+        assert router is not None and router.abs().sum() > 0
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
