@@ -41,17 +41,17 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
     python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__)"
 } 2>&1 | tee -a "$log"
 
-step tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
-step attention_b8 300 python3 scripts/benchmark_attention.py --json "$out/attention_b8.json" --markdown
-step attention_b32 200 python3 scripts/benchmark_attention.py --batch-size 32 --tokens 1024 --no-model \
+step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+step attention_b8 150 python3 scripts/benchmark_attention.py --json "$out/attention_b8.json" --markdown
+step attention_b32 90 python3 scripts/benchmark_attention.py --batch-size 32 --tokens 1024 --no-model \
     --json "$out/attention_b32.json" --markdown
-step model_forward 200 python3 scripts/benchmark_model.py --size XL --batch-size 32 --dtype bfloat16 --repeats 15 \
+step model_forward 120 python3 scripts/benchmark_model.py --size XL --batch-size 32 --dtype bfloat16 --repeats 15 \
     --json "$out/model_xl_forward.json"
-step model_train 240 python3 scripts/benchmark_model.py --size XL --batch-size 32 --train --autocast bf16 --repeats 7 \
+step model_train 120 python3 scripts/benchmark_model.py --size XL --batch-size 32 --train --autocast bf16 --repeats 7 \
     --json "$out/model_xl_train.json"
 work=$(mktemp -d)
-step demo_data 60 python3 scripts/make_demo_dataset.py --output-dir "$work/data" --images-per-class 64
-step train 180 python3 scripts/train.py --preset MoH-DiT-Tiny --data-dir "$work/data" --vae none --image-size 32 \
+step demo_data 30 python3 scripts/make_demo_dataset.py --output-dir "$work/data" --images-per-class 64
+step train 90 python3 scripts/train.py --preset MoH-DiT-Tiny --data-dir "$work/data" --vae none --image-size 32 \
     --output-dir "$work/run" --max-steps 300 --global-batch-size 256 --learning-rate 1e-3 --mixed-precision bf16 \
     --log-every 100 --checkpoint-every 300
 rm -rf "$work"
