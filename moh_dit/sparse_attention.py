@@ -157,8 +157,9 @@ class MoHSparseAttnProcessor:
 
     @staticmethod
     def default_strategy(device: torch.device) -> str:
-        """The strategy used when none is given: ``"per_head"`` on CPU, ``"packed"`` elsewhere."""
-        return "per_head" if device.type == "cpu" else "packed"
+        """The strategy used when none is given: ``"per_head"`` on CPU, ``"batched"`` elsewhere
+        (on an H200 it was the fastest of the three, though still slower than dense-masked)."""
+        return "per_head" if device.type == "cpu" else "batched"
 
     @staticmethod
     def _packed(attn, hidden_states, routing):

@@ -46,6 +46,10 @@ GATE_MODES = ("release", "paper")
 # When head-sparse inference is chosen automatically (see MoHAttention.uses_sparse_processor).
 AUTO_SPARSE_MAX_ACTIVE = 0.5
 AUTO_SPARSE_MIN_WORK = 256 * 768
+# Devices where automatic mode may pick it. On an H200 (torch 2.11, bf16) every head-sparse
+# strategy was slower than dense-masked at every measured size (README, GPU table): the
+# GEMMs there are so fast that launches, host syncs and gathers dominate.
+AUTO_SPARSE_DEVICES = ("cpu",)
 
 
 # --------------------------------------------------------------------------------------
@@ -249,7 +253,7 @@ class MoHAttention(Attention):
             usage = shared_usage if usage_routed is None else torch.cat([shared_usage, usage_routed])
         return MoHRouting(gates, routed_index, routed_gates, lb_loss, usage)
 
-    def uses_sparse_processor(self, tokens: int | None = None) -> bool:
+    def uses_sparse_processor(self, tokens: int | None = None, device: torch.device | None = None) -> bool:
         """Whether the next forward call takes the head-sparse path (see the class docstring).
 
         Automatic mode also requires the layer to be sparse and large enough for skipping to
@@ -257,7 +261,9 @@ class MoHAttention(Attention):
         of at least ``AUTO_SPARSE_MIN_WORK``. Below that, gathering the selected tokens costs
         more than the skipped heads save (``scripts/benchmark_attention.py``: on 2 CPU cores a
         DiT-B layer at 256 tokens took 0.88x dense time with half its heads active, 1.03x with
-        three quarters).
+        three quarters). It also requires the input on a device of ``AUTO_SPARSE_DEVICES``
+        (the CPU; on a GPU dense-masked was faster everywhere measured); ``device=None``
+        skips that condition.
         """
         if self.training or self.sparse_inference is False or not self.num_routed_heads:
             return False
@@ -270,11 +276,12 @@ class MoHAttention(Attention):
             and not torch.compiler.is_compiling()
             and active <= AUTO_SPARSE_MAX_ACTIVE
             and (tokens or 0) * self.inner_dim >= AUTO_SPARSE_MIN_WORK
+            and (device is None or device.type in AUTO_SPARSE_DEVICES)
         )
 
     def forward(self, hidden_states: torch.Tensor, need_stats: bool = False) -> tuple[torch.Tensor, MoHRouting | None]:
         routing = self.route(hidden_states, need_stats)
-        sparse = self.uses_sparse_processor(hidden_states.shape[1])
+        sparse = self.uses_sparse_processor(hidden_states.shape[1], hidden_states.device)
         processor = self.sparse_processor if sparse else self.processor
         return processor(self, hidden_states, routing=routing), routing
 
@@ -540,7 +547,7 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
         ``strategy`` (optional) sets how the head-sparse path works on every layer:
         ``"per_head"``, ``"batched"`` or ``"packed"`` (see ``MoHSparseAttnProcessor``);
         ``None`` leaves it as it is (by default chosen by device: ``per_head`` on CPU,
-        ``packed`` on CUDA).
+        ``batched`` on CUDA).
         """
         if enabled is not None and not isinstance(enabled, bool):
             raise ValueError(f"set_sparse_inference takes True, False or None; got {enabled!r}.")

@@ -48,19 +48,24 @@ def _sync(device: torch.device) -> None:
 
 def run(
     size: str = "S", batch_size: int = 4, repeats: int = 7, device: str | None = None, dtype: str = "float32",
-    train: bool = False, autocast: str | None = None,
+    train: bool = False, autocast: str | None = None, cuda_graph: bool = False, head_sparse: bool = True,
 ) -> dict:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = getattr(torch, dtype)
     if train and dt != torch.float32:
         raise ValueError("--train keeps float32 master weights; use --autocast bf16|fp16 for mixed precision.")
+    if cuda_graph and (train or dev.type != "cuda"):
+        raise ValueError("--cuda-graph times forwards on a CUDA device; drop --train / use --device cuda.")
     torch.manual_seed(0)
     models = {f"diffusers DiT-{size}/2": diffusers_dit(f"DiT-{size}/2"), f"moh-dit DiT-{size}/2": None}
     models[f"moh-dit DiT-{size}/2"] = MoHDiTTransformer2DModel.from_preset(f"DiT-{size}/2")
     for suffix in ("90", "75"):
         name = f"MoH-DiT-{size}/2-{suffix}"
         models[name] = MoHDiTTransformer2DModel.from_preset(name)
-        if not train:
+        if not train and not head_sparse:
+            models[name].set_sparse_inference(False)
+            models[name + " (dense-masked)"] = models.pop(name)
+        elif not train:
             dense = MoHDiTTransformer2DModel.from_preset(name)
             dense.load_state_dict(models[name].state_dict())
             dense.set_sparse_inference(False)
@@ -79,6 +84,10 @@ def run(
     y = torch.randint(0, cfg["num_classes"], (batch_size,), device=dev)
     target = torch.randn(batch_size, 2 * cfg["in_channels"], cfg["sample_size"], cfg["sample_size"], device=dev)
     calls = {name: _train_step(m, x, t, y, target, autocast) if train else _forward(m, x, t, y) for name, m in models.items()}
+    if cuda_graph:  # each forward without the head-sparse path (host syncs) captured once and replayed
+        for name in [n for n in calls if "head-sparse" not in n]:
+            calls[name + " (CUDA graph)"] = _graphed(models[name], x, t, y)
+            models[name + " (CUDA graph)"] = models[name]
     times: dict[str, list[float]] = {k: [] for k in models}
     with torch.inference_mode(not train):
         for call in calls.values():  # warm-up (twice: AdamW allocates its state on the first step)
@@ -107,6 +116,22 @@ def run(
 
 def _forward(model, x, t, y):
     return lambda: model(x, t, y)
+
+
+def _graphed(model, x, t, y):
+    """The model's forward captured in a CUDA graph (static inputs); replaying it launches
+    every kernel at once, so the time is the GPU's, without Python and launch overhead."""
+    with torch.inference_mode():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the default stream, as capture requires
+            for _ in range(2):
+                model(x, t, y)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model(x, t, y)
+    return graph.replay
 
 
 def _train_step(model, x, t, y, target, autocast: str | None):
@@ -138,12 +163,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--train", action="store_true", help="time training steps instead of forwards")
     parser.add_argument("--autocast", default=None, choices=["bf16", "fp16"], help="mixed precision for --train")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="also time each forward (head-sparse excepted) replayed from a CUDA graph")
+    parser.add_argument("--no-head-sparse", action="store_true", help="leave out the head-sparse MoH variants")
     parser.add_argument("--json", default=None, help="also write the table as JSON here")
     return parser.parse_args(argv)
 
 
 def main(args: argparse.Namespace) -> int:
-    result = run(args.size, args.batch_size, args.repeats, args.device, args.dtype, args.train, args.autocast)
+    result = run(args.size, args.batch_size, args.repeats, args.device, args.dtype, args.train, args.autocast,
+                 args.cuda_graph, not args.no_head_sparse)
     print(f"{result['machine']} | {result['device']} {result['dtype']} | {result['mode']}"
           f"{', autocast ' + args.autocast if args.autocast else ''} | batch {result['batch_size']}, 32x32x4 latents, "
           f"median of {result['repeats']} interleaved runs")

@@ -25,7 +25,7 @@ DENSE = MoHAttnProcessor()
 # dense_above=1.0: always skip, so that dense layouts really test the sparse computation.
 SPARSE = MoHSparseAttnProcessor(dense_above=1.0)  # "per_head" on CPU
 BATCHED = MoHSparseAttnProcessor("batched", dense_above=1.0)
-PACKED = MoHSparseAttnProcessor("packed", dense_above=1.0)  # the CUDA default; jagged SDPA
+PACKED = MoHSparseAttnProcessor("packed", dense_above=1.0)  # sync-free; jagged SDPA
 ALL = (SPARSE, BATCHED, PACKED)
 
 # On CPU the jagged SDPA of the packed strategy runs torch's math fallback, which warns
@@ -267,6 +267,11 @@ def test_path_selection(randomize, monkeypatch):
     assert calls(True, True, True) == 0
     assert calls(False, True, True) == routed_layers  # forced
     assert calls(False, False, False) == 0
+    model.eval().set_sparse_inference(None)
+    attn = model.transformer_blocks[1].attn1
+    with torch.no_grad():  # automatic mode takes the sparse path on the CPU only
+        assert attn.uses_sparse_processor(64, torch.device("cpu"))
+        assert not attn.uses_sparse_processor(64, torch.device("cuda"))
     with pytest.raises(ValueError, match="True, False or None"):
         model.set_sparse_inference("yes")
     model.eval().set_sparse_inference(None)
@@ -337,7 +342,7 @@ def test_strategy_switch_and_defaults(randomize):
     with pytest.raises(ValueError, match="strategy='fast'"):
         model.set_sparse_inference(True, strategy="fast")
     assert MoHSparseAttnProcessor.default_strategy(torch.device("cpu")) == "per_head"
-    assert MoHSparseAttnProcessor.default_strategy(torch.device("cuda")) == "packed"
+    assert MoHSparseAttnProcessor.default_strategy(torch.device("cuda")) == "batched"
 
 
 def test_bad_arguments_rejected():
