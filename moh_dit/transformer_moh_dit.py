@@ -621,7 +621,12 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
         need_stats = want_lb or output_head_usage
         size = hidden_states.shape[-1] // self.config.patch_size
 
-        x = self.pos_embed(hidden_states)  # (B, T, D), T = size * size
+        # PatchEmbed returns a transposed view (the D axis has stride T). Without the copy the
+        # residual stream keeps that layout through every block (x comes first in each
+        # residual add) and all its elementwise ops run strided: on an H200 (bf16, batch 32,
+        # CUDA graph) the copy took a DiT-XL/2 forward from 25.9 to 19.9 ms (diffusers'
+        # DiT-XL/2: 21.1 ms in both runs). No measurable effect on CPU.
+        x = self.pos_embed(hidden_states).contiguous()  # (B, T, D), T = size * size
         c = self.time_class_embed(timestep, class_labels, hidden_dtype=x.dtype)  # (B, D)
         lb_losses, usage = [], []
         for block in self.transformer_blocks:
