@@ -17,12 +17,16 @@ pairs: dense ``2 D D_in * 4 + 4 N D_in``, head-sparse ideal ``2 D D_in (2 + 2r) 
 
 The FLOPs go, but not the bytes: each selected (token, head) pair gathers a D-wide input
 row and adds back a D-wide output row, so the layer moves about as much memory as the
-dense one. On 2 CPU cores that keeps the measured time 10-20 % above the FLOP ratio
-(``scripts/benchmark_attention.py``).
+dense one. On 2 CPU cores that keeps the measured time 15-30 % above the FLOP ratio
+(``scripts/benchmark_attention.py``); CPU flash attention is also ~15 % less efficient per
+query at 512 queries than at 1024. On an H200 every strategy was slower than dense (launches,
+the host sync, the gathers and bf16 ``index_add_`` dominate there), so automatic mode only
+uses this path on the CPU (``MoHAttention.uses_sparse_processor``).
 
 Only portable torch operations are used (index_select, addmm / baddbmm,
-scaled_dot_product_attention, index_add_), so the same code runs on CPU and CUDA.
-``sparse_attention_reference`` is a plain loop over images, heads and tokens, kept for tests.
+scaled_dot_product_attention, nested tensors, index_add_), so the same code runs on CPU and
+CUDA. ``sparse_attention_reference`` is a plain loop over images, heads and tokens, kept for
+tests.
 """
 
 from __future__ import annotations
@@ -67,9 +71,14 @@ class MoHSparseAttnProcessor:
             FLOPs, so padding there and large buffers (above glibc's 32 MiB mmap threshold
             they are page-faulted in again on every call) would eat the savings.
             ``"batched"``: the projections of all routed heads are single padded bmm calls:
-            few kernel launches, which is what a GPU wants.
+            few kernel launches.
             Both run the attention of all routed heads as one SDPA call on (head, image)
-            groups padded to the largest group (padding costs only SDPA work there).
+            groups padded to the largest group (padding costs only SDPA work there), and
+            read the group sizes on the host (one sync).
+            ``"packed"``: no host sync and no loop over heads; projections stay dense and
+            only the attention core skips (see ``_packed``). On an H200 (torch 2.11) its
+            GPU time was about dense's but nested-tensor dispatch cost ~7 ms of CPU time
+            per call.
             ``None`` (default): ``"per_head"`` on CPU, ``"batched"`` elsewhere.
         dense_above: routed density ``K / (h - hs)`` above which a layer runs dense-masked.
             On 2 CPU cores skipping stopped paying between 0.75 and 0.875 (XL width, 1024

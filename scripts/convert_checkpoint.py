@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moh_dit.cli import run_cli
 from moh_dit.convert import convert_checkpoint
 from moh_dit.presets import PRESETS
 
@@ -42,8 +43,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(parse_args()))
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_cli(main, parse_args))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from moh_dit.cli import run_cli
 from moh_dit.evaluation import ADM_SPLIT_SIZE, INCEPTION_WEIGHTS_ENV, evaluate
 from moh_dit.io_utils import write_json_atomic
 
@@ -79,13 +80,7 @@ def main(args: argparse.Namespace) -> dict:
 
 def cli(argv: list[str] | None = None) -> int:
     """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
-    args = parse_args(argv)
-    try:
-        main(args)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
+    return run_cli(main, parse_args, argv)
 
 
 if __name__ == "__main__":

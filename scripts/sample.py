@@ -19,6 +19,7 @@ import time
 
 from accelerate import Accelerator
 
+from moh_dit.cli import run_cli
 from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS
 from moh_dit.sampling import (
     CLASS_LABEL_MODES,
@@ -110,8 +111,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(parse_args()))
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_cli(main, parse_args))

@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+from moh_dit.cli import run_cli
 from moh_dit.evaluation import INCEPTION_WEIGHTS_ENV
 from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS
 from moh_dit.sampling import DTYPES, load_pipeline
@@ -124,13 +125,7 @@ def main(args: argparse.Namespace):
 
 def cli(argv: list[str] | None = None) -> int:
     """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
-    args = parse_args(argv)
-    try:
-        main(args)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
+    return run_cli(main, parse_args, argv)
 
 
 if __name__ == "__main__":

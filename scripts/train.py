@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from moh_dit.cli import EXPECTED_ERRORS, run_cli
 from moh_dit.presets import PRESETS
 from moh_dit.training import TrainConfig, TrainingDivergedError, train
 
@@ -84,8 +85,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(parse_args()))
-    except (ValueError, FileNotFoundError, OSError, TrainingDivergedError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_cli(main, parse_args, errors=(*EXPECTED_ERRORS, OSError, TrainingDivergedError)))
