@@ -220,21 +220,21 @@ class MoHAttention(Attention):
         hs, routed = self.num_shared_heads, self.num_routed_heads
         parts = []
         if hs > 1:
-            shared = self.router_shared(x).float().softmax(dim=-1)  # (B, N, hs)
+            shared = self.router_shared(x).softmax(dim=-1, dtype=torch.float32)  # (B, N, hs)
             parts.append(shared * hs if release else shared)
         elif hs == 1:
             parts.append(x.new_ones(batch, tokens, 1, dtype=torch.float32))
         routed_index = routed_gates = lb_loss = usage_routed = None
         if routed:
             k = self.top_k
-            probs = self.router_routed(x).float().softmax(dim=-1)  # (B, N, E)
+            probs = self.router_routed(x).softmax(dim=-1, dtype=torch.float32)  # (B, N, E)
             top_p, routed_index = probs.topk(k, dim=-1)  # (B, N, K)
             if release:
                 routed_gates = k * top_p / top_p.sum(dim=-1, keepdim=True)
             else:
                 routed_gates = top_p
             if hs > 0:
-                mix = self.router_mix(x).float().softmax(dim=-1)  # (B, N, 2)
+                mix = self.router_mix(x).softmax(dim=-1, dtype=torch.float32)  # (B, N, 2)
                 if release:
                     mix = mix * 2
                 parts[0] = parts[0] * mix[..., :1]
