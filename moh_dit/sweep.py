@@ -83,7 +83,8 @@ PathLike = Union[str, os.PathLike]
 
 RATIO_KEYWORDS = ("trained", "min")
 DEFAULT_RATIOS: tuple[float | str, ...] = ("trained", 1.0, 0.9, 0.75, 0.6, "min")
-# "auto": leave the model's setting (head-sparse under no_grad unless changed);
+# "auto": leave the model's setting (by default automatic: head-sparse for large layers with
+#         at most half their heads active, on the CPU; dense-masked otherwise);
 # "masked": dense-masked (the release's way: every head computed, unselected ones zeroed);
 # "sparse": head-sparse (unselected routed heads skipped).
 ATTENTION_PATHS = {"auto": None, "masked": False, "sparse": True}
@@ -467,8 +468,11 @@ def run_sweep(
     if ATTENTION_PATHS[attention] is not None:
         transformer.set_sparse_inference(ATTENTION_PATHS[attention])
     sparse_setting = getattr(transformer.transformer_blocks[0].attn1, "sparse_inference", None)
-    # The pipeline samples in eval mode under no_grad, where None means head-sparse.
-    attention_path = "dense" if not transformer.is_moh else "dense-masked" if sparse_setting is False else "head-sparse"
+    # The pipeline samples in eval mode under no_grad, where None means the automatic choice.
+    attention_path = (
+        "dense" if not transformer.is_moh
+        else {False: "dense-masked", True: "head-sparse"}.get(sparse_setting, "automatic (per layer)")
+    )
     rows: list[SweepRow] = []
     notes: list[str] = []
     comparable = True

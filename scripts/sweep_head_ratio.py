@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="ddpm: the paper's learned-variance DDPM (default); ddim; dpm; saved: a pipeline folder's own")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="transformer dtype (the VAE stays float32)")
     parser.add_argument("--attention", choices=list(ATTENTION_PATHS), default="auto",
-                        help="attention path for sampling (affects wall time only): auto (the model's: head-sparse), "
+                        help="attention path for sampling (affects wall time only): auto (the model's setting; by "
+                             "default head-sparse only for large, sparse layers on the CPU), "
                              "masked (every head computed, as the release) or sparse")
     parser.add_argument("--save-samples", action="store_true", help="also write each ratio's PNGs under OUTPUT/ratio_X/samples/")
     parser.add_argument("--cache-dir", default=None, help="reference statistics cache (default ~/.cache/moh_dit/reference_stats)")
