@@ -16,12 +16,13 @@ def run_cli(
     main: Callable[[Any], Any], parse_args: Callable[[list[str] | None], Any], argv: list[str] | None = None,
     errors: tuple[type[BaseException], ...] = EXPECTED_ERRORS,
 ) -> int:
-    """Parse ``argv`` (argparse's own usage errors exit with status 2), run ``main`` and
-    return 0; an expected error prints ``error: <message>`` on stderr and returns 1."""
+    """Parse ``argv`` (argparse's own usage errors exit with status 2) and run ``main``;
+    return its status if it returns an int, else 0. An expected error prints
+    ``error: <message>`` on stderr and returns 1."""
     args = parse_args(argv)
     try:
-        main(args)
+        status = main(args)
     except errors as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    return 0
+    return status if isinstance(status, int) else 0

@@ -61,6 +61,7 @@ class MoHSparseAttnProcessor:
     layer, a layer without routed heads and a layer whose tokens select more than
     ``dense_above`` of its routed heads run the dense-masked computation instead: there is
     nothing to skip, or too little to pay for gathering and scattering the selected tokens.
+    Inside an autocast region it also computes dense-masked (cast the model instead).
 
     Args:
         strategy: how the routed heads are processed.
@@ -74,7 +75,9 @@ class MoHSparseAttnProcessor:
             few kernel launches.
             Both run the attention of all routed heads as one SDPA call on (head, image)
             groups padded to the largest group (padding costs only SDPA work there), and
-            read the group sizes on the host (one sync).
+            read the group sizes on the host (one sync). On CUDA its ``index_add_`` of the
+            heads' output rows uses atomics, so results may differ in the last bits between
+            runs.
             ``"packed"``: no host sync and no loop over heads; projections stay dense and
             only the attention core skips (see ``_packed``). On an H200 (torch 2.11) its
             GPU time was about dense's but nested-tensor dispatch cost ~7 ms of CPU time
@@ -107,7 +110,12 @@ class MoHSparseAttnProcessor:
         return self._dense(attn, hidden_states, routing)
 
     def __call__(self, attn: MoHAttention, hidden_states: torch.Tensor, routing: MoHRouting | None = None):
-        if routing is None or routing.routed_index is None or not self.skips_heads(attn):
+        if (
+            routing is None or routing.routed_index is None or not self.skips_heads(attn)
+            # Under autocast the projections come out in another dtype than the input, and
+            # the out= / in-place kernels below would mix them: compute dense-masked there.
+            or torch.is_autocast_enabled(hidden_states.device.type)
+        ):
             return self._dense_masked(attn, hidden_states, routing)
         strategy = self.strategy or self.default_strategy(hidden_states.device)
         if strategy == "packed":
@@ -204,6 +212,10 @@ class MoHSparseAttnProcessor:
             )  # (B, hs, N, d)
             o = o.transpose(1, 2) * routing.gates[..., :shared, None].to(o.dtype)  # (B, N, hs, d)
             z[: rows * heads].view(rows, heads, head_dim)[:, :shared] = o.reshape(rows, shared, head_dim)
+
+        if k == 0:  # only shared heads are on
+            out = attn.to_out[0](z[: rows * heads].view(rows, heads * head_dim))  # (B*N, D)
+            return attn.to_out[1](out).view(batch, tokens, dim)
 
         # The selected pairs (ordered by image, token, slot) and one sink per group, sorted
         # into groups g = routed head * B + image, sinks last in their group.

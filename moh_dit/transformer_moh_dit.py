@@ -165,7 +165,8 @@ class MoHAttention(Attention):
     the routed heads a token did not select; same result to float rounding). ``None``
     (default) = automatic: head-sparse in eval mode when autograd is off (``torch.no_grad``
     / ``torch.inference_mode``), the default processor is in place, the model is not
-    being compiled (the sparse path has data-dependent shapes) and the layer is sparse and
+    being compiled (the sparse path has data-dependent shapes), the input is on the CPU
+    (on a GPU dense-masked was faster everywhere measured) and the layer is sparse and
     large enough for skipping to pay (``uses_sparse_processor``); ``True`` = head-sparse
     whenever in eval mode; ``False`` = never. Training mode always uses ``processor``.
     Assign a configured ``MoHSparseAttnProcessor`` to ``sparse_processor`` to change how it
@@ -539,24 +540,25 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
         ``True`` forces the head-sparse path (``MoHSparseAttnProcessor``: unselected routed
         heads are skipped; same output as the dense-masked path to float rounding, and
         same gradients), ``False`` forces the dense-masked path, ``None`` (default) picks
-        head-sparse automatically when autograd is off, the model is not being compiled and
-        a layer is sparse and large enough for skipping to pay (at most half its heads
-        active, tokens x inner width >= 256 x 768; smaller work is faster dense-masked).
+        head-sparse automatically when autograd is off, the model is not being compiled, the
+        input is on the CPU (on a GPU dense-masked was faster everywhere measured) and a
+        layer is sparse and large enough for skipping to pay (at most half its heads active,
+        tokens x inner width >= 256 x 768; smaller work is faster dense-masked).
         Training mode always uses the dense-masked path. A dense DiT ignores the setting.
 
         ``strategy`` (optional) sets how the head-sparse path works on every layer:
-        ``"per_head"``, ``"batched"`` or ``"packed"`` (see ``MoHSparseAttnProcessor``);
-        ``None`` leaves it as it is (by default chosen by device: ``per_head`` on CPU,
-        ``batched`` on CUDA).
+        ``"per_head"``, ``"batched"`` or ``"packed"`` (see ``MoHSparseAttnProcessor``), or
+        ``"auto"`` to choose by device again (``per_head`` on CPU, ``batched`` on CUDA);
+        ``None`` leaves it as it is.
         """
         if enabled is not None and not isinstance(enabled, bool):
             raise ValueError(f"set_sparse_inference takes True, False or None; got {enabled!r}.")
-        if strategy is not None and strategy not in SPARSE_STRATEGIES:
-            raise ValueError(f"strategy={strategy!r}; choose one of {SPARSE_STRATEGIES} or None.")
+        if strategy is not None and strategy != "auto" and strategy not in SPARSE_STRATEGIES:
+            raise ValueError(f"strategy={strategy!r}; choose one of {SPARSE_STRATEGIES}, 'auto' or None.")
         for block in self.transformer_blocks:
             block.attn1.sparse_inference = enabled
             if strategy is not None:
-                block.attn1.sparse_processor.strategy = strategy
+                block.attn1.sparse_processor.strategy = None if strategy == "auto" else strategy
 
     # ---------------------------------------------------------------- forward
     def _check_inputs(self, hidden_states: torch.Tensor, timestep, class_labels) -> torch.Tensor:

@@ -40,6 +40,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from diffusers.utils import logging as diffusers_logging
 
 from moh_dit import MoHDiTTransformer2DModel
+from moh_dit.cli import run_cli
 from moh_dit.presets import PRESETS
 from moh_dit.sparse_attention import STRATEGIES, MoHSparseAttnProcessor, ideal_flop_ratio
 from moh_dit.transformer_moh_dit import MoHAttention
@@ -333,5 +334,4 @@ def main(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_args())
-    sys.exit(0)
+    sys.exit(run_cli(main, parse_args))

@@ -9,6 +9,10 @@ output plus, for MoH, 0.01 x the load-balance loss as in training, backward, Ada
 with float32 master weights and optional autocast, as ``scripts/train.py --mixed-precision``
 does. MoH layers train dense-masked (the routers need their gradients).
 
+``--cuda-graph`` (CUDA only) adds each forward captured once in a CUDA graph and replayed,
+which removes Python and launch overhead; those rows are compared with diffusers' DiT
+replayed the same way.
+
 Timings are interleaved (one call of each model per round) and the median is reported,
 as ratios to diffusers' DiT, because a shared machine's speed drifts between runs.
 Weights are random (the speed does not depend on them); routers are random too, so
@@ -29,6 +33,7 @@ import torch
 from diffusers import DiTTransformer2DModel
 
 from moh_dit import MoHDiTTransformer2DModel
+from moh_dit.cli import run_cli
 from moh_dit.presets import PRESETS
 
 
@@ -54,6 +59,8 @@ def run(
     dt = getattr(torch, dtype)
     if train and dt != torch.float32:
         raise ValueError("--train keeps float32 master weights; use --autocast bf16|fp16 for mixed precision.")
+    if autocast and not train:
+        raise ValueError("--autocast applies to --train; for forwards pick the weights' --dtype.")
     if cuda_graph and (train or dev.type != "cuda"):
         raise ValueError("--cuda-graph times forwards on a CUDA device; drop --train / use --device cuda.")
     torch.manual_seed(0)
@@ -100,11 +107,12 @@ def run(
                 call()
                 _sync(dev)
                 times[name].append(time.perf_counter() - start)
-    base = statistics.median(times[f"diffusers DiT-{size}/2"])
     rows = []
     for name, ts in times.items():
         med = statistics.median(ts)
         act = getattr(models[name], "head_activation_ratio", 1.0)
+        # CUDA-graph rows against diffusers' graph row, eager rows against its eager one
+        base = statistics.median(times[f"diffusers DiT-{size}/2" + (" (CUDA graph)" if name.endswith("(CUDA graph)") else "")])
         rows.append(dict(model=name, median_ms=med * 1e3, ratio_to_diffusers=med / base, head_activation=act))
     return dict(
         rows=rows, size=size, batch_size=batch_size, repeats=repeats, device=str(dev), dtype=dtype,
@@ -188,4 +196,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_args()))
+    sys.exit(run_cli(main, parse_args))

@@ -16,11 +16,18 @@
 set -u
 out=${1:?usage: bash scripts/gpu_report.sh OUT_DIR}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-if ! python3 -c "import moh_dit" 2>/dev/null; then
-    [ -e moh_dit/pipelines ] || ln -s ../pipelines moh_dit/pipelines
-    [ -e moh_dit/assets ] || ln -s ../assets moh_dit/assets
+# Is moh-dit installed? Ask from / so that this source tree does not answer for it.
+if ! (cd / && python3 -c "import moh_dit") 2>/dev/null; then
+    links=()
+    for name in pipelines assets; do
+        if [ ! -e "moh_dit/$name" ]; then
+            ln -s "../$name" "moh_dit/$name" && links+=("moh_dit/$name")
+        fi
+    done
+    trap 'rm -f "${links[@]}"' EXIT  # leave the tree as it was
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 log="$out/gpu_report.log"

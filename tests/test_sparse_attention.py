@@ -153,8 +153,8 @@ def test_every_preset_layout_and_ratio():
         with torch.no_grad():
             routing = attn.route(x)
             ref = DENSE(attn, x, routing)
-            assert rel_err(SPARSE(attn, x, routing), ref) <= 1e-5, (h, hs, k)
-            assert rel_err(PACKED(attn, x, routing), ref) <= 1e-5, (h, hs, k)
+            for processor in ALL:
+                assert rel_err(processor(attn, x, routing), ref) <= 1e-5, (processor.strategy, h, hs, k)
 
 
 @pytest.mark.parametrize("h, hs, k", [(6, 0, 2), (6, 2, 1), (5, 1, 3)])
@@ -174,6 +174,19 @@ def test_bf16(h, hs, k):
             assert rel_err(sparse, dense) <= 2e-2
             assert rel_err(sparse, exact) <= 2e-2
     assert rel_err(dense, exact) > 1e-4  # bf16 really ran
+
+
+def test_autocast_computes_dense_masked():
+    """Under autocast the projections change dtype; every strategy then returns exactly the
+    dense-masked result instead of mixing dtypes in its in-place kernels."""
+    attn = layer(6, 1, 2)
+    x = torch.randn(2, 12, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        routing = attn.route(x)
+        ref = DENSE(attn, x, routing)
+        assert ref.dtype == torch.bfloat16
+        for processor in ALL:
+            assert torch.equal(processor(attn, x, routing), ref), processor.strategy
 
 
 # ------------------------------------------------------------------ the model switch
@@ -272,6 +285,9 @@ def test_path_selection(randomize, monkeypatch):
     with torch.no_grad():  # automatic mode takes the sparse path on the CPU only
         assert attn.uses_sparse_processor(64, torch.device("cpu"))
         assert not attn.uses_sparse_processor(64, torch.device("cuda"))
+    monkeypatch.setattr(tmd, "AUTO_SPARSE_DEVICES", ())  # the forward passes its input's device
+    assert calls(False, False, None) == 0
+    monkeypatch.setattr(tmd, "AUTO_SPARSE_DEVICES", ("cpu",))
     with pytest.raises(ValueError, match="True, False or None"):
         model.set_sparse_inference("yes")
     model.eval().set_sparse_inference(None)
@@ -339,6 +355,10 @@ def test_strategy_switch_and_defaults(randomize):
     model, *_ = model_and_inputs(randomize)
     model.set_sparse_inference(True, strategy="batched")
     assert all(b.attn1.sparse_processor.strategy == "batched" for b in model.transformer_blocks)
+    model.set_sparse_inference(True)  # None leaves the strategy as it is
+    assert all(b.attn1.sparse_processor.strategy == "batched" for b in model.transformer_blocks)
+    model.set_sparse_inference(True, strategy="auto")  # back to choosing by device
+    assert all(b.attn1.sparse_processor.strategy is None for b in model.transformer_blocks)
     with pytest.raises(ValueError, match="strategy='fast'"):
         model.set_sparse_inference(True, strategy="fast")
     assert MoHSparseAttnProcessor.default_strategy(torch.device("cpu")) == "per_head"
