@@ -31,6 +31,7 @@ tests.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
 __all__ = ["MoHSparseAttnProcessor", "sparse_attention_reference", "ideal_flop_ratio"]
 
 STRATEGIES = ("per_head", "batched", "packed")
+# The packed strategy passes min / max sequence lengths to its nested tensors (so that SDPA
+# needs no host sync to find them); older torch versions do not take them.
+_JAGGED_TAKES_SEQLEN = "max_seqlen" in inspect.signature(torch.nested.nested_tensor_from_jagged).parameters
 
 
 def ideal_flop_ratio(tokens: int, hidden: int, inner: int, ratio: float) -> float:
@@ -193,6 +197,11 @@ class MoHSparseAttnProcessor:
         0, written to a discarded row), so no group is empty: fused kernels refuse
         zero-length sequences. Unselected pairs stay zero before the output projection.
         """
+        if not _JAGGED_TAKES_SEQLEN:
+            raise RuntimeError(
+                f"the 'packed' head-sparse strategy needs a torch whose nested_tensor_from_jagged takes "
+                f"min_seqlen / max_seqlen (torch {torch.__version__} does not); use strategy='batched' or 'per_head'."
+            )
         batch, tokens, dim = hidden_states.shape
         heads, head_dim = attn.heads, attn.inner_dim // attn.heads
         shared, routed, k = attn.num_shared_heads, attn.num_routed_heads, attn.top_k
