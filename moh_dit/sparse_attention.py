@@ -205,7 +205,7 @@ class MoHSparseAttnProcessor:
         batch, tokens, dim = hidden_states.shape
         heads, head_dim = attn.heads, attn.inner_dim // attn.heads
         shared, routed, k = attn.num_shared_heads, attn.num_routed_heads, attn.top_k
-        rows, groups, device = batch * tokens, routed * batch, hidden_states.device
+        rows, groups = batch * tokens, routed * batch
         x = hidden_states.reshape(rows, dim)  # (B*N, D)
         query = attn.to_q(x).view(rows, heads, head_dim)  # (B*N, h, d)
         key = attn.to_k(x).view(batch, tokens, heads, head_dim)  # (B, N, h, d)
@@ -222,9 +222,18 @@ class MoHSparseAttnProcessor:
             o = o.transpose(1, 2) * routing.gates[..., :shared, None].to(o.dtype)  # (B, N, hs, d)
             z[: rows * heads].view(rows, heads, head_dim)[:, :shared] = o.reshape(rows, shared, head_dim)
 
-        if k == 0:  # only shared heads are on
-            out = attn.to_out[0](z[: rows * heads].view(rows, heads * head_dim))  # (B*N, D)
-            return attn.to_out[1](out).view(batch, tokens, dim)
+        if k:  # routed heads (K = 0 leaves only the shared heads on)
+            MoHSparseAttnProcessor._packed_routed(z, query, key, value, routing, shared)
+        out = attn.to_out[0](z[: rows * heads].view(rows, heads * head_dim))  # (B*N, D)
+        return attn.to_out[1](out).view(batch, tokens, dim)
+
+    @staticmethod
+    def _packed_routed(z, query, key, value, routing, shared):
+        """Write the gated outputs of the selected (token, routed head) pairs into ``z``
+        ((B*N*h + G, d): rows ``token * h + head``, then one sink row per group)."""
+        batch, tokens, heads, head_dim = key.shape
+        k, device = routing.routed_index.shape[-1], key.device
+        rows, groups = batch * tokens, (heads - shared) * batch
 
         # The selected pairs (ordered by image, token, slot) and one sink per group, sorted
         # into groups g = routed head * B + image, sinks last in their group.
@@ -254,8 +263,6 @@ class MoHSparseAttnProcessor:
         ).transpose(1, 2).values().squeeze(1)  # (P+G, d), in the packed order
         target = torch.where(sink, rows * heads + group, row * heads + shared + head)  # rows of z
         z.index_copy_(0, target, o * gate.to(o.dtype).unsqueeze(1))
-        out = attn.to_out[0](z[: rows * heads].view(rows, heads * head_dim))  # (B*N, D)
-        return attn.to_out[1](out).view(batch, tokens, dim)
 
     @staticmethod
     def _routed(attn, x, gates, member, counts, counts_host, live, key, value, b_v, out, strategy):
