@@ -1,4 +1,6 @@
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,3 +23,19 @@ def randomize_(model: torch.nn.Module, std: float = 0.1, seed: int = 0) -> torch
 @pytest.fixture
 def randomize():
     return randomize_
+
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"moh_dit_script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def load_script():
+    """``load_script("sample")`` imports ``scripts/sample.py`` as a module."""
+    return _load_script

@@ -1,5 +1,4 @@
 import hashlib
-import importlib.util
 import json
 from pathlib import Path
 
@@ -9,16 +8,6 @@ from PIL import Image
 
 from moh_dit.data import ImageFolderDataset
 from moh_dit.demo_data import DEMO_COLOURS, demo_classes, make_demo_dataset, render_demo_image
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_demo_dataset.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("make_demo_dataset_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def _digest(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*.png"))}
@@ -73,8 +62,8 @@ def test_classes_look_like_their_names():
     assert ratios["circle"] > 0.7 and ratios["cross"] < 0.6
 
 
-def test_errors_and_script(tmp_path, capsys):
-    script = _load_script()
+def test_errors_and_script(tmp_path, capsys, load_script):
+    script = load_script("make_demo_dataset")
     out = tmp_path / "demo"
     script.main(script.parse_args(["--output-dir", str(out), "--images-per-class", "2", "--image-size", "24"]))
     assert "24 images" in capsys.readouterr().out

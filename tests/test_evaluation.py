@@ -6,7 +6,6 @@ weights file, so nothing is downloaded; its numbers only check the plumbing.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import urllib.request
@@ -94,11 +93,8 @@ def random_inception(random_weights) -> ev.TFInceptionV3Features:
 
 
 @pytest.fixture(scope="module")
-def evaluate_script():
-    spec = importlib.util.spec_from_file_location("moh_dit_evaluate_script", ROOT / "scripts" / "evaluate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def evaluate_script(load_script):
+    return load_script("evaluate")
 
 
 @pytest.fixture

@@ -1,4 +1,3 @@
-import importlib.util
 import json
 import pickle
 import shutil
@@ -14,15 +13,7 @@ import moh_dit.latents as latents_mod
 from moh_dit.data import CorruptImageError, ImageFolderDataset, flip_for
 from moh_dit.latents import LatentDataset, encode_distribution, extract_latents, load_vae
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "extract_latents.py"
 SIZE = 32  # image size; the tiny VAE downsamples by 8 -> 4x4 latents
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("extract_latents_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,9 +59,9 @@ def image_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cache(vae_dir, image_dir, tmp_path_factory):
+def cache(vae_dir, image_dir, tmp_path_factory, load_script):
     out = tmp_path_factory.mktemp("cache") / "latents"
-    script = _load_script()
+    script = load_script("extract_latents")
     args = script.parse_args(
         ["--data-dir", str(image_dir), "--vae", str(vae_dir), "--image-size", str(SIZE), "--output-dir", str(out),
          "--batch-size", "2", "--shard-size", "3", "--num-workers", "0", "--device", "cpu"]

@@ -1,9 +1,7 @@
 """Sampling at scale: labels, index ownership, DiT quantisation, the streamed ADM .npz,
 determinism across batch sizes and process counts, resume, and scripts/sample.py."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import PIL.Image
@@ -23,16 +21,6 @@ from moh_dit.sampling import (
     save_png_atomic,
     write_adm_npz,
 )
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sample.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("moh_dit_sample_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def tiny_pipe(randomize, dtype=torch.float64):
     # float64: CPU matmuls then give bit-identical per-image results for any batch size
@@ -125,8 +113,8 @@ def test_resume_after_interruption(tmp_path, randomize):
     assert sample_images(pipe, tmp_path / "run", SETTINGS, batch_size=2, progress=False) == 0
 
 
-def test_script_end_to_end_and_resume_checks(tmp_path, randomize):
-    script = load_script()
+def test_script_end_to_end_and_resume_checks(tmp_path, randomize, load_script):
+    script = load_script("sample")
     model_dir, out = tmp_path / "model", tmp_path / "out"
     tiny_pipe(randomize, torch.float32).transformer.save_pretrained(model_dir)
     argv = ["--model", str(model_dir), "--output", str(out), "--num-samples", "4", "--per-device-batch-size", "3",
@@ -155,8 +143,8 @@ def test_script_end_to_end_and_resume_checks(tmp_path, randomize):
         assert data["arr_0"].shape[0] == 6
 
 
-def test_script_rejects_bad_ratio_before_writing(tmp_path, randomize):
-    script = load_script()
+def test_script_rejects_bad_ratio_before_writing(tmp_path, randomize, load_script):
+    script = load_script("sample")
     tiny_pipe(randomize, torch.float32).transformer.save_pretrained(tmp_path / "model")
     args = script.parse_args(["--model", str(tmp_path / "model"), "--output", str(tmp_path / "out"),
                               "--head-activation-ratio", "0.2"])
@@ -165,8 +153,8 @@ def test_script_rejects_bad_ratio_before_writing(tmp_path, randomize):
     assert not (tmp_path / "out").exists()
 
 
-def test_script_pipeline_folder_and_dry_run(tmp_path, randomize, capsys):
-    script = load_script()
+def test_script_pipeline_folder_and_dry_run(tmp_path, randomize, capsys, load_script):
+    script = load_script("sample")
     pipe = tiny_pipe(randomize, torch.float32)
     pipe.scheduler = make_scheduler("ddim")
     pipe.save_pretrained(tmp_path / "pipe")

@@ -1,8 +1,5 @@
 """Head-sparse MoH inference against the dense-masked path and a loop reference."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -385,12 +382,9 @@ def test_dense_above_threshold():
         assert torch.equal(processor(attn, x, routing), DENSE(attn, x, routing))
 
 
-def test_benchmark_script_layer_rows_smoke():
+def test_benchmark_script_layer_rows_smoke(load_script):
     """The benchmark's layer part runs (tiny: one repeat, 64 tokens) and its rows add up."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_attention.py"
-    spec = importlib.util.spec_from_file_location("benchmark_attention", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmark_attention")
     rows = bench.layer_rows("B", 64, 1, [1.0, 0.5], 0, 1, torch.device("cpu"), torch.float32)
     assert [(r["top_k"], r["realised_ratio"]) for r in rows] == [(12, 1.0), (6, 0.5)]
     assert rows[1]["ideal_flop_ratio"] == pytest.approx(ideal_flop_ratio(64, 768, 768, 0.5))

@@ -2,7 +2,6 @@
 the written table / plot, errors before any sampling, and scripts/sweep_head_ratio.py."""
 
 import csv
-import importlib.util
 import json
 from pathlib import Path
 
@@ -26,7 +25,6 @@ from moh_dit.sweep import (
     write_sweep,
 )
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sweep_head_ratio.py"
 SIZE = 16  # 16x16 RGB, patch 4: 16 tokens
 # Small and fast, and uneven batches (4 + 2) so the last partial batch is exercised.
 SWEEP = dict(num_samples=6, batch_size=4, num_inference_steps=2, guidance_scale=1.5, seed=5,
@@ -58,13 +56,6 @@ def _random_model(preset: str, seed: int) -> MoHDiTTransformer2DModel:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
     return model.eval()
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("moh_dit_sweep_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -260,8 +251,8 @@ def test_dense_model_single_point(dense_dir, reference_dir, tmp_path):
         assert plot.size == (720, 460)
 
 
-def test_script_with_random_inception(model_dir, dense_dir, reference_dir, tmp_path, capsys):
-    script = load_script()
+def test_script_with_random_inception(model_dir, dense_dir, reference_dir, tmp_path, capsys, load_script):
+    script = load_script("sweep_head_ratio")
     out = tmp_path / "cli"
     argv = ["--model", str(model_dir), "--ref", str(reference_dir / "class_0"), "--ratios", "1.0,min",
             "--num-samples", "4", "--batch-size", "4", "--num-inference-steps", "1", "--guidance-scale", "1",
