@@ -42,5 +42,10 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
+    return run_cli(main, parse_args, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(run_cli(main, parse_args))
+    sys.exit(cli())

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from moh_dit.cli import run_cli
 from moh_dit.io_utils import write_json_atomic
 from moh_dit.demo_data import make_demo_dataset
 from moh_dit.evaluation import InceptionWeightsNotFoundError, resolve_inception_weights
@@ -123,6 +124,11 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
+    return run_cli(main, parse_args, argv)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    sys.exit(main(parse_args()))
+    sys.exit(cli())

@@ -11,7 +11,9 @@ training from images. Rerun the same command to resume an interrupted extraction
 from __future__ import annotations
 
 import argparse
+import sys
 
+from moh_dit.cli import run_cli
 from moh_dit.latents import extract_latents
 
 
@@ -49,5 +51,10 @@ def main(args: argparse.Namespace) -> None:
     )
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
+    return run_cli(main, parse_args, argv)
+
+
 if __name__ == "__main__":
-    main(parse_args())
+    sys.exit(cli())

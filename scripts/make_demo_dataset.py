@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
+from moh_dit.cli import run_cli
 from moh_dit.demo_data import demo_classes, make_demo_dataset
 
 
@@ -37,5 +39,10 @@ def main(args: argparse.Namespace) -> None:
     )
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
+    return run_cli(main, parse_args, argv)
+
+
 if __name__ == "__main__":
-    main(parse_args())
+    sys.exit(cli())

@@ -84,5 +84,10 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
+    return run_cli(main, parse_args, argv, errors=(*EXPECTED_ERRORS, OSError, TrainingDivergedError))
+
+
 if __name__ == "__main__":
-    sys.exit(run_cli(main, parse_args, errors=(*EXPECTED_ERRORS, OSError, TrainingDivergedError)))
+    sys.exit(cli())

@@ -39,3 +39,37 @@ def _load_script(name: str):
 def load_script():
     """``load_script("sample")`` imports ``scripts/sample.py`` as a module."""
     return _load_script
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path under ``root`` with its size and mtime: what a refused command must not touch."""
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture
+def refuses(load_script, tmp_path, capsys):
+    """``refuses("train", argv, match)`` runs ``scripts/train.py``'s ``cli(argv)`` and checks that it
+    was refused: exit status 1 (or argparse's 2), ``match`` (a regex) in the one-line error on stderr,
+    no traceback, and nothing under ``tmp_path`` created, changed or removed. Bad-input tables use
+    it with paths under ``tmp_path``; prepare inputs before calling it."""
+    import re
+
+    def check(script: str, argv: list[str], match: str, status: int | None = None) -> str:
+        before = _snapshot(tmp_path)
+        capsys.readouterr()
+        try:
+            code = load_script(script).cli([str(a) for a in argv])
+        except SystemExit as exit_:  # argparse's own usage errors
+            code = exit_.code
+        err = capsys.readouterr().err
+        assert code != 0, f"{script} {argv} was accepted"
+        if status is not None:
+            assert code == status, (code, err)
+        assert "Traceback" not in err, err
+        assert re.search(match, err), f"expected /{match}/ in the error, got: {err!r}"
+        assert _snapshot(tmp_path) == before, f"{script} {argv} wrote or changed files before refusing"
+        return err
+
+    return check
