@@ -1,7 +1,7 @@
 """Model presets by the names users know, as plain data.
 
 Every preset is a dict of ``MoHDiTTransformer2DModel`` constructor arguments. MoH layouts
-follow the authors' release (MOH_DIT_FACTS.md section 2): per layer the number of heads,
+follow the authors' release (docs/design.md, section 2): per layer the number of heads,
 the number of shared heads and the routed top-K. Dense DiT presets have no routers
 (``num_shared_heads=None``) and match facebookresearch/DiT.
 

@@ -12,7 +12,7 @@ per routed head, only the work of the tokens that selected it:
   queries with j's slice of ``to_q``, attended against all N keys of (b, j), scaled by their
   gate, projected with j's slice of ``to_out`` and added into their output rows.
 
-Per-token FLOPs (MOH_DIT_FACTS.md section 5), with r the fraction of active (token, head)
+Per-token FLOPs (docs/design.md, section 4), with r the fraction of active (token, head)
 pairs: dense ``2 D D_in * 4 + 4 N D_in``, head-sparse ideal ``2 D D_in (2 + 2r) + 4 r N D_in``.
 
 The FLOPs go, but not the bytes: each selected (token, head) pair gathers a D-wide input
@@ -51,7 +51,7 @@ _JAGGED_TAKES_SEQLEN = "max_seqlen" in inspect.signature(torch.nested.nested_ten
 def ideal_flop_ratio(tokens: int, hidden: int, inner: int, ratio: float) -> float:
     """Head-sparse / dense FLOPs of one attention layer when a fraction ``ratio`` of the
     (token, head) pairs is active: Q and output projections and the attention core scale
-    with ``ratio``, K and V projections do not (MOH_DIT_FACTS.md section 5)."""
+    with ``ratio``, K and V projections do not (docs/design.md, section 4)."""
     dense = 2 * tokens * hidden * inner * 4 + 4 * tokens**2 * inner
     sparse = 2 * tokens * hidden * inner * (2 + 2 * ratio) + 4 * ratio * tokens**2 * inner
     return sparse / dense

@@ -5,7 +5,7 @@ Reading order: routing result, attention processors, ``MoHAttention``, ``MoHDiTB
 and the processor mechanism), ``PatchEmbed``, ``AdaLayerNormZero``, ``FeedForward``,
 ``Timesteps`` / ``TimestepEmbedding`` / ``LabelEmbedding``.
 
-Gate math follows the authors' MoH-DiT release (MOH_DIT_FACTS.md section 1), which differs
+Gate math follows the authors' MoH-DiT release (docs/design.md, section 1), which differs
 from the paper's Eq. 5-6 by constant factors; ``gate_mode="paper"`` gives the equations as
 printed. Heads ``0..hs-1`` of each layer are shared (always on), heads ``hs..h-1`` routed.
 """
@@ -207,7 +207,7 @@ class MoHAttention(Attention):
     def route(self, x: torch.Tensor, need_stats: bool = False) -> MoHRouting | None:
         """Gates of every head for every token of ``x`` (B, N, D); None for a dense layer.
 
-        Release gates (facts section 1): routed ``K * p_j / sum_topK p`` with
+        Release gates (docs/design.md, section 1): routed ``K * p_j / sum_topK p`` with
         ``p = softmax(W_r x)``; shared ``hs * softmax(W_s x)``; with both kinds, shared gates
         times ``a_0`` and routed times ``a_1`` where ``a = 2 * softmax(W_h x)``. A single
         shared head gets a constant gate of 1 (the release crashes there). ``paper`` mode

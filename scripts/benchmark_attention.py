@@ -9,7 +9,7 @@ zeroed) and head-sparse (``MoHSparseAttnProcessor``), at DiT-XL width (1152 = 16
 and DiT-B width (768 = 12 x 64). A MoH layer at activation ratio r has hs shared heads
 (``--shared-heads``, default 0: all heads routed) and K = round(r h) - hs routed heads
 per token; MoH times include routing. Beside each measured time ratio is the ideal FLOP
-ratio (MOH_DIT_FACTS.md section 5: Q and output projections and attention scale with r,
+ratio (docs/design.md, section 4: Q and output projections and attention scale with r,
 K and V do not).
 
 Model part: a whole forward of MoH-DiT-B/2 presets (head-sparse at the trained ratio and

@@ -1,6 +1,6 @@
 """MoHDiTTransformer2DModel against an independent reference of the release math.
 
-The reference below is written from MOH_DIT_FACTS.md (sections 1-3) in plain tensor
+The reference below is written from docs/design.md (sections 1-3) in plain tensor
 operations on a release-format state dict; it shares no code with the package.
 """
 
@@ -24,7 +24,7 @@ UNEVEN = dict(
 
 # ------------------------------------------------------------------ reference (release)
 def ref_gates(x, sd, prefix, h, hs, k, mode="release"):
-    """Per-head gates (B, N, h) and the layer's load-balance loss, from the facts."""
+    """Per-head gates (B, N, h) and the layer's load-balance loss, from docs/design.md."""
     release = mode == "release"
     B, N, _ = x.shape
     e = h - hs
@@ -53,7 +53,7 @@ def ref_gates(x, sd, prefix, h, hs, k, mode="release"):
 
 
 def ref_forward(sd, cfg, x, t, y, top_k=None, mode="release"):
-    """The release DiT/MoH-DiT forward from the facts (fp32)."""
+    """The release DiT/MoH-DiT forward from docs/design.md (fp32)."""
     p, D = cfg["patch_size"], cfg["hidden_size"]
     L = cfg["num_layers"]
     heads = cfg["num_attention_heads"]
