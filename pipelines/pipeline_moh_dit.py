@@ -25,6 +25,7 @@ import contextlib
 import difflib
 import inspect
 import json
+import math
 import numbers
 from dataclasses import dataclass
 from importlib import resources
@@ -42,11 +43,72 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from moh_dit.transformer_moh_dit import MoHDiTTransformer2DModel
 
-__all__ = ["MoHDiTPipeline", "MoHDiTPipelineOutput", "make_scheduler", "imagenet_id2label", "GUIDANCE_CHANNELS"]
+__all__ = [
+    "MoHDiTPipeline",
+    "MoHDiTPipelineOutput",
+    "NonFiniteLatentsError",
+    "make_scheduler",
+    "imagenet_id2label",
+    "GUIDANCE_CHANNELS",
+]
 
 GUIDANCE_CHANNELS = ("all", "dit")
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 SCHEDULERS = ("ddpm", "ddim", "dpm")
+# torch.Generator.manual_seed accepts exactly this range.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+class NonFiniteLatentsError(ValueError):
+    """Sampling produced NaN or inf latents. A ValueError, so that the scripts report it as one
+    line: it comes from the settings (a guidance scale too large for float32) or the weights."""
+
+
+def _real(value: Any) -> float | None:
+    """``value`` as a float if it is a real number (not a bool, not a string), else None."""
+    if torch.is_tensor(value) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+class _FiniteWatch:
+    """Finds the first sampling step whose latents hold NaN or inf, without a per-step host sync
+    on accelerators.
+
+    On the CPU each step is checked as it finishes: reading the flag costs nothing there and a
+    doomed run stops at once. On CUDA (and any other device) ``bool(torch.isfinite(x).all())``
+    would wait for the GPU every step and stall the kernel queue, so the check stays on the
+    device: a 0-d tensor keeps the smallest bad step index (``torch.minimum`` with
+    ``torch.where``, no sync), and it is read once after the loop, where the final copy to the
+    host synchronises anyway. Either way the error names the first bad step.
+    """
+
+    def __init__(self, device: torch.device, num_steps: int, eager: bool | None = None):
+        self.eager = device.type == "cpu" if eager is None else eager
+        self.num_steps = num_steps
+        self.first_bad: int | torch.Tensor | None = (
+            None if self.eager else torch.full((), num_steps, dtype=torch.long, device=device)
+        )
+
+    def update(self, index: int, x: torch.Tensor) -> bool:
+        """Record step ``index``'s latents; True when the run should stop (CPU, bad step)."""
+        finite = torch.isfinite(x).all()
+        if self.eager:
+            if not bool(finite):
+                self.first_bad = index
+                return True
+            return False
+        self.first_bad = torch.minimum(self.first_bad, torch.where(finite, self.num_steps, index))
+        return False
+
+    def first_bad_step(self) -> int | None:
+        """The index of the first step with non-finite latents, or None."""
+        if self.first_bad is None:
+            return None
+        index = int(self.first_bad)
+        return None if index >= self.num_steps else index
 
 
 def imagenet_id2label() -> dict[int, str]:
@@ -312,6 +374,96 @@ class MoHDiTPipeline(DiffusionPipeline):
             kwargs["eta"] = eta
         return kwargs
 
+    def check_inputs(
+        self,
+        class_labels: int | str | Sequence[int | str] | torch.Tensor,
+        guidance_scale: float,
+        num_inference_steps: int | None,
+        head_activation_ratio: float | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        seeds: Sequence[int] | None = None,
+        latents: torch.Tensor | None = None,
+        guidance_channels: str = "all",
+        timesteps: Sequence[int] | None = None,
+        eta: float = 0.0,
+        output_type: str = "pil",
+    ) -> None:
+        """Validate a ``__call__``'s arguments against this pipeline's model and scheduler
+        (diffusers' ``check_inputs`` convention); raises ValueError naming the bad value.
+
+        Called first by ``__call__``, and usable before any work (``scripts/sample.py`` checks
+        its settings with it before it writes anything). Nothing runs on the model.
+        """
+        ids = self.get_label_ids(class_labels)
+        batch = len(ids)
+        null = self.transformer.config.num_classes
+        scale = _real(guidance_scale)
+        # inf would make every latent NaN (inf * 0 in the guided difference): black images.
+        if scale is None or not math.isfinite(scale) or scale < 1.0:
+            raise ValueError(
+                f"guidance_scale={guidance_scale!r} must be a finite number >= 1 (1 = no guidance). For "
+                f"unconditional samples pass the null class id {null}."
+            )
+        if guidance_channels not in GUIDANCE_CHANNELS:
+            raise ValueError(f"guidance_channels={guidance_channels!r}; choose one of {GUIDANCE_CHANNELS}.")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type={output_type!r}; choose one of {OUTPUT_TYPES}.")
+        train_steps = int(getattr(self.scheduler.config, "num_train_timesteps", 1000))
+        if timesteps is None:
+            if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, numbers.Integral) \
+                    or num_inference_steps < 1:
+                raise ValueError(f"num_inference_steps must be a positive int; got {num_inference_steps!r}.")
+            if num_inference_steps > train_steps:
+                raise ValueError(
+                    f"num_inference_steps={num_inference_steps} is more than the {train_steps} diffusion steps the "
+                    f"model was trained with; use 1..{train_steps}."
+                )
+        else:
+            if "timesteps" not in inspect.signature(self.scheduler.set_timesteps).parameters:
+                raise ValueError(f"{type(self.scheduler).__name__} does not accept custom timesteps; use num_inference_steps.")
+            steps = list(timesteps.tolist() if torch.is_tensor(timesteps) or isinstance(timesteps, np.ndarray) else timesteps)
+            if not steps or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in steps):
+                raise ValueError(f"timesteps must be a non-empty list of ints; got {timesteps!r}.")
+            if not all(0 <= t < train_steps for t in steps) or any(a <= b for a, b in zip(steps, steps[1:])):
+                raise ValueError(
+                    f"timesteps must be strictly descending ints in [0, {train_steps - 1}] (the model's diffusion "
+                    f"steps); got {steps[:8]}{' ...' if len(steps) > 8 else ''}."
+                )
+        eta_value = _real(eta)
+        # DDIM's sigma grows with eta; past 1 the direction term's square root goes negative.
+        if eta_value is None or not 0.0 <= eta_value <= 1.0:
+            raise ValueError(f"eta={eta!r} must be a number in [0, 1] (DDIM's eta; 0 = deterministic).")
+        if seeds is not None:
+            if generator is not None:
+                raise ValueError("Pass either `seeds` or `generator`, not both.")
+            seeds = list(seeds)
+            low, high = SEED_RANGE
+            for seed in seeds:
+                if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not low <= int(seed) <= high:
+                    raise ValueError(f"seeds must be ints in [{low}, {high}] (torch.Generator's range); got {seed!r}.")
+            if len(seeds) != batch:
+                raise ValueError(f"Got {len(seeds)} seeds for {batch} class labels; give one seed per image.")
+        if isinstance(generator, list) and len(generator) != batch:
+            raise ValueError(f"Got a list of {len(generator)} generators for {batch} class labels; give one per image.")
+        channels, size = self.transformer.config.in_channels, self.transformer.config.sample_size
+        if latents is not None:
+            if not torch.is_tensor(latents):
+                raise ValueError(f"latents must be a tensor; got {type(latents).__name__}.")
+            if tuple(latents.shape) != (batch, channels, size, size):
+                raise ValueError(f"latents must have shape {(batch, channels, size, size)}; got {tuple(latents.shape)}.")
+            # One host sync before the loop, not per step.
+            if not bool(torch.isfinite(latents).all()):
+                raise ValueError("latents hold NaN or inf; pass finite initial noise.")
+        self._uses_learned_variance()  # scheduler / model mismatches
+        if head_activation_ratio is not None:
+            ratio = _real(head_activation_ratio)
+            low, high = self.transformer.head_activation_range
+            if ratio is None or not math.isfinite(ratio) or not low - 1e-9 <= ratio <= high + 1e-9:
+                raise ValueError(
+                    f"head_activation_ratio={head_activation_ratio} is outside this model's reachable range "
+                    f"[{low:.4f}, {high:.4f}]."
+                )
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Final latents -> images in [-1, 1] (B, C, H, W); the identity for pixel-space models."""
         if self.vae is None:
@@ -366,42 +518,19 @@ class MoHDiTPipeline(DiffusionPipeline):
             output_type: ``"pil"``, ``"np"``, ``"pt"`` (images in [0, 1]) or ``"latent"``.
             return_dict: return a ``MoHDiTPipelineOutput``; else ``(images, ratio, head_usage)``.
         """
-        # ---- validate everything before any compute
+        # ---- validate everything before any compute (diffusers' convention: check_inputs)
+        self.check_inputs(
+            class_labels, guidance_scale, num_inference_steps, head_activation_ratio=head_activation_ratio,
+            generator=generator, seeds=seeds, latents=latents, guidance_channels=guidance_channels,
+            timesteps=timesteps, eta=eta, output_type=output_type,
+        )
         ids = self.get_label_ids(class_labels)
         batch = len(ids)
-        if not guidance_scale >= 1.0:
-            raise ValueError(
-                f"guidance_scale={guidance_scale} must be >= 1 (1 = no guidance). For unconditional samples pass the "
-                f"null class id {self.transformer.config.num_classes}."
-            )
-        if guidance_channels not in GUIDANCE_CHANNELS:
-            raise ValueError(f"guidance_channels={guidance_channels!r}; choose one of {GUIDANCE_CHANNELS}.")
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"output_type={output_type!r}; choose one of {OUTPUT_TYPES}.")
-        if timesteps is None and not (isinstance(num_inference_steps, numbers.Integral) and num_inference_steps >= 1):
-            raise ValueError(f"num_inference_steps must be a positive int; got {num_inference_steps!r}.")
-        if timesteps is not None and "timesteps" not in inspect.signature(self.scheduler.set_timesteps).parameters:
-            raise ValueError(f"{type(self.scheduler).__name__} does not accept custom timesteps; use num_inference_steps.")
+        guidance_scale = float(guidance_scale)
         if seeds is not None:
-            if generator is not None:
-                raise ValueError("Pass either `seeds` or `generator`, not both.")
-            seeds = [int(s) for s in seeds]
-            if len(seeds) != batch:
-                raise ValueError(f"Got {len(seeds)} seeds for {batch} class labels; give one seed per image.")
-            generator = [torch.Generator("cpu").manual_seed(s) for s in seeds]
-        if isinstance(generator, list) and len(generator) != batch:
-            raise ValueError(f"Got a list of {len(generator)} generators for {batch} class labels; give one per image.")
+            generator = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
         channels, size = self.transformer.config.in_channels, self.transformer.config.sample_size
-        if latents is not None and tuple(latents.shape) != (batch, channels, size, size):
-            raise ValueError(f"latents must have shape {(batch, channels, size, size)}; got {tuple(latents.shape)}.")
         use_variance = self._uses_learned_variance()
-        if head_activation_ratio is not None:
-            low, high = self.transformer.head_activation_range
-            if not low - 1e-9 <= float(head_activation_ratio) <= high + 1e-9:
-                raise ValueError(
-                    f"head_activation_ratio={head_activation_ratio} is outside this model's reachable range "
-                    f"[{low:.4f}, {high:.4f}]."
-                )
 
         device = self._execution_device
         dtype = self.transformer.dtype
@@ -424,8 +553,10 @@ class MoHDiTPipeline(DiffusionPipeline):
 
         usage_sum: list[torch.Tensor] | None = None
         calls = 0
+        timesteps_run = self.scheduler.timesteps
+        watch = _FiniteWatch(x.device, len(timesteps_run))
         with self._sampling_state(head_activation_ratio) as realised:
-            for t in self.progress_bar(self.scheduler.timesteps):
+            for index, t in enumerate(self.progress_bar(timesteps_run)):
                 model_in = torch.cat([x, x]) if guided else x
                 model_in = self.scheduler.scale_model_input(model_in, t)
                 t_in = torch.as_tensor(t, device=device).reshape(1).expand(model_in.shape[0])
@@ -441,6 +572,18 @@ class MoHDiTPipeline(DiffusionPipeline):
                 used = [u.float() for u in out.head_usage]
                 usage_sum = used if usage_sum is None else [s + u for s, u in zip(usage_sum, used)]
                 calls += 1
+                if watch.update(index, x):
+                    break
+
+        bad = watch.first_bad_step()
+        if bad is not None:
+            self.maybe_free_model_hooks()
+            raise NonFiniteLatentsError(
+                f"sampling produced NaN/inf latents at step {bad + 1} of {len(timesteps_run)} (step index {bad}, "
+                f"timestep {int(timesteps_run[bad])}); no images are returned. A guidance scale too large for "
+                f"float32 (guidance_scale={guidance_scale:g}) or NaN/inf in the model's weights or the given "
+                "latents causes this: lower the guidance scale or check the checkpoint."
+            )
 
         head_usage = [(s / calls).cpu() for s in usage_sum] if usage_sum is not None else []
         if output_type == "latent":

@@ -285,7 +285,22 @@ def test_imagenet_names_by_default(randomize):
         (dict(class_labels=[]), "class_labels is empty"),
         (dict(class_labels=[1.5]), "must be int ids or names"),
         (dict(class_labels=[1], head_activation_ratio=0.1), r"head_activation_ratio=0.1 is outside .*\[0\.5000, 1\.0000\]"),
-        (dict(class_labels=[1], guidance_scale=0.5), "guidance_scale=0.5 must be >= 1"),
+        (dict(class_labels=[1], guidance_scale=0.5), "guidance_scale=0.5 must be a finite number >= 1"),
+        # inf used to sample to all-NaN latents, returned as black images.
+        (dict(class_labels=[1], guidance_scale=float("inf")), "guidance_scale=inf must be a finite number >= 1"),
+        (dict(class_labels=[1], guidance_scale=float("nan")), "guidance_scale=nan must be a finite number"),
+        (dict(class_labels=[1], guidance_scale="2"), "guidance_scale='2' must be a finite number"),
+        (dict(class_labels=[1], num_inference_steps=0), "num_inference_steps must be a positive int; got 0"),
+        (dict(class_labels=[1], num_inference_steps=1001), "num_inference_steps=1001 is more than the 1000"),
+        (dict(class_labels=[1], timesteps=[500, 999], num_inference_steps=None), "strictly descending"),
+        (dict(class_labels=[1], timesteps=[1000, 5], num_inference_steps=None), r"in \[0, 999\]"),
+        (dict(class_labels=[1], timesteps=[], num_inference_steps=None), "non-empty list of ints"),
+        (dict(class_labels=[1], eta=float("nan")), r"eta=nan must be a number in \[0, 1\]"),
+        (dict(class_labels=[1], eta=1.5), r"eta=1.5 must be a number in \[0, 1\]"),
+        (dict(class_labels=[1], seeds=[1.5]), "seeds must be ints"),
+        (dict(class_labels=[1], seeds=[2**64]), "seeds must be ints"),
+        (dict(class_labels=[1], head_activation_ratio=float("nan")), "head_activation_ratio=nan is outside"),
+        (dict(class_labels=[1], latents=torch.full((1, 3, 8, 8), float("nan"))), "latents hold NaN or inf"),
         (dict(class_labels=[1], guidance_channels="first3"), "guidance_channels='first3'"),
         (dict(class_labels=[1, 2], seeds=[0]), "Got 1 seeds for 2 class labels"),
         (dict(class_labels=[1], seeds=[0], generator=torch.Generator()), "either `seeds` or `generator`"),
@@ -304,6 +319,54 @@ def test_bad_input_raises_before_compute(randomize, kwargs, message):
     with pytest.raises(ValueError, match=message):
         pipe(**{"num_inference_steps": STEPS, **kwargs})
     assert not calls and pipe.transformer.top_k_per_layer == before
+
+
+def test_check_inputs_is_callable_alone(randomize):
+    pipe = tiny_pipe(randomize)
+    calls = count_forward(pipe.transformer)
+    pipe.check_inputs([1, 2], 1.5, 250, head_activation_ratio=0.6, seeds=[0, 1])  # valid: no error, no compute
+    with pytest.raises(ValueError, match="guidance_scale=inf"):
+        pipe.check_inputs([1], float("inf"), 2)
+    assert not calls
+
+
+def test_non_finite_latents_name_the_step(randomize):
+    """A NaN that appears mid-run is an error naming the step, not a black image."""
+    pipe = tiny_pipe(randomize)
+    calls = []
+
+    def poison(module, args, output):  # NaN out of the third transformer call (step index 2)
+        calls.append(1)
+        if len(calls) == 3:
+            output.sample.fill_(float("nan"))
+        return output
+
+    handle = pipe.transformer.register_forward_hook(poison)
+    pipe.scheduler.set_timesteps(5)
+    timestep = int(pipe.scheduler.timesteps[2])
+    with pytest.raises(ValueError, match=rf"NaN/inf latents at step 3 of 5 \(step index 2, timestep {timestep}\)"):
+        pipe([1], guidance_scale=1.5, num_inference_steps=5, seeds=[0])
+    assert len(calls) == 3  # on the CPU the run stops at the bad step
+    handle.remove()
+    # A finite but huge guidance scale overflows float32 at the first step.
+    with pytest.raises(ValueError, match=r"step 1 of 2 .*guidance_scale=1e\+300"):
+        pipe([1], guidance_scale=1e300, num_inference_steps=2, seeds=[0])
+    assert pipe.transformer.top_k_per_layer == pipe.transformer.trained_top_k  # state restored
+
+
+def test_deferred_finite_watch_names_first_bad_step():
+    """The accelerator path (no per-step host sync) keeps the first bad step on the device."""
+    from moh_dit.pipelines.pipeline_moh_dit import _FiniteWatch
+
+    watch = _FiniteWatch(torch.device("cpu"), 6, eager=False)
+    good, bad = torch.zeros(2, 3), torch.tensor([[0.0, float("inf"), 0.0]])
+    for index, x in enumerate([good, good, good, bad, good, bad]):
+        assert watch.update(index, x) is False  # never asks to stop: that would need a sync
+    assert torch.is_tensor(watch.first_bad) and watch.first_bad_step() == 3
+    clean = _FiniteWatch(torch.device("cpu"), 3, eager=False)
+    for index in range(3):
+        clean.update(index, good)
+    assert clean.first_bad_step() is None
 
 
 def test_scheduler_model_mismatch_rejected(randomize):
