@@ -5,8 +5,11 @@ All conversions are strict: every missing, unexpected or mis-shaped key is named
 error, a preset that does not match the weights is refused, and nothing is written unless
 the whole conversion succeeded (the output folder appears by an atomic rename).
 
-Release key format: MOH_DIT_FACTS.md section 3. Top-K cannot be read from weights (layers
-with K=1 and K=2 have the same shapes), so the preset is always required.
+The release key format is the one of facebookresearch/DiT's ``models.py`` (``x_embedder``,
+``t_embedder``, ``y_embedder``, ``blocks.i.attn.qkv`` with q, k, v rows, ``adaLN_modulation``,
+``final_layer``) plus, in the MoH-DiT release, each block's routers ``attn.wg`` / ``wg_0`` /
+``wg_1``; docs/design.md section 3 lists the keys with their shapes. Top-K cannot be read from
+weights (layers with K=1 and K=2 have the same shapes), so the preset is always required.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 import zipfile
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ from tqdm.auto import tqdm
 
 from .io_utils import atomic_write, write_json_atomic
 from .latents import load_vae
-from .pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, MoHDiTPipeline, make_scheduler
+from .pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, SEED_RANGE, MoHDiTPipeline, make_scheduler
 from .transformer_moh_dit import MoHDiTTransformer2DModel
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "preview_head_activation",
     "run_identity",
     "check_or_write_settings",
+    "check_settings",
     "sample_images",
     "generate_batch",
 ]
@@ -80,14 +83,35 @@ class SampleSettings:
     class_labels: str = "balanced"
 
     def __post_init__(self) -> None:
-        if self.num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}.")
+        # The model-independent rules; check_settings adds the model's (steps, ratio range).
+        if not _is_int(self.num_samples) or self.num_samples < 1:
+            raise ValueError(f"num_samples must be an int >= 1, got {self.num_samples!r}.")
+        if not _is_real(self.guidance_scale) or not math.isfinite(self.guidance_scale) or self.guidance_scale < 1:
+            raise ValueError(f"guidance_scale must be a finite number >= 1 (1 = no guidance), got {self.guidance_scale!r}.")
+        if not _is_int(self.num_inference_steps) or self.num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be an int >= 1, got {self.num_inference_steps!r}.")
+        ratio = self.head_activation_ratio
+        if ratio is not None and (not _is_real(ratio) or not math.isfinite(ratio) or not 0 < ratio <= 1):
+            raise ValueError(f"head_activation_ratio must be in (0, 1] (or None: the trained one), got {ratio!r}.")
         if self.class_labels not in CLASS_LABEL_MODES:
             raise ValueError(f"class_labels={self.class_labels!r}; choose one of {CLASS_LABEL_MODES}.")
         if self.guidance_channels not in GUIDANCE_CHANNELS:
             raise ValueError(f"guidance_channels={self.guidance_channels!r}; choose one of {GUIDANCE_CHANNELS}.")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0 (image i uses seed + i), got {self.seed}.")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0 (image i uses seed + i), got {self.seed!r}.")
+        if self.seed + self.num_samples - 1 > SEED_RANGE[1]:
+            raise ValueError(
+                f"seed {self.seed} + num_samples {self.num_samples} - 1 exceeds {SEED_RANGE[1]}, the largest seed "
+                "torch.Generator takes (image i uses seed + i); use a smaller seed."
+            )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 # --------------------------------------------------------------------------------------
@@ -208,6 +232,10 @@ def load_pipeline(
     if scheduler not in SCHEDULERS + ("saved",):
         raise ValueError(f"scheduler={scheduler!r}; choose one of {SCHEDULERS + ('saved',)}.")
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if not model.exists():
+        raise FileNotFoundError(f"model {model} does not exist; give a pipeline folder or a save_pretrained transformer folder.")
+    if not model.is_dir():
+        raise ValueError(f"model {model} is a file; give a pipeline folder or a save_pretrained transformer folder.")
     if (model / "model_index.json").is_file():
         pipe = MoHDiTPipeline.from_pretrained(model)
         if vae is not None:
@@ -268,26 +296,69 @@ def run_identity(pipe: MoHDiTPipeline, settings: SampleSettings, model: str) -> 
     return identity
 
 
-def check_or_write_settings(output: str | os.PathLike, identity: dict[str, Any], run_info: dict[str, Any]) -> None:
+def check_settings(pipe: MoHDiTPipeline, settings: SampleSettings) -> None:
+    """Check ``settings`` against the model and scheduler of ``pipe`` without sampling: the
+    pipeline's own rules (:meth:`MoHDiTPipeline.check_inputs`: steps within the model's
+    diffusion steps, the ratio within its reachable range, scheduler / model agreement) for
+    the run's first and last image. Raises ValueError."""
+    last = settings.num_samples - 1
+    labels = class_labels_for([0, last], pipe.transformer.config.num_classes, settings.class_labels, settings.seed)
+    pipe.check_inputs(
+        labels, settings.guidance_scale, settings.num_inference_steps,
+        head_activation_ratio=settings.head_activation_ratio, seeds=[settings.seed, settings.seed + last],
+        guidance_channels=settings.guidance_channels, output_type="latent",
+    )
+
+
+def _holds_samples(output: Path) -> bool:
+    folder = output / IMAGE_DIR
+    return folder.is_dir() and any(folder.glob("*.png"))
+
+
+def check_or_write_settings(
+    output: str | os.PathLike, identity: dict[str, Any], run_info: dict[str, Any]
+) -> str | None:
     """Write ``sample_config.json`` beside the output, or check a resumed run against it.
 
     Resuming with different settings would mix two sample sets in one folder, so any
     difference in ``identity`` raises (with the differing keys); ``run_info`` (batch size,
-    process count, num_samples, ...) may change between runs and is rewritten.
+    process count, num_samples, ...) may change between runs and is rewritten. A folder whose
+    settings file was written but that holds no sample yet (a run that stopped before its
+    first image) mixes nothing: its settings are replaced, and the returned note says so
+    (None otherwise).
     """
     output = Path(output)
     path = output / SETTINGS_FILE
+    _check_output_folder(output)
+    note = None
     if path.is_file():
-        previous = json.loads(path.read_text(encoding="utf-8")).get("identity", {})
+        try:
+            previous = json.loads(path.read_text(encoding="utf-8")).get("identity", {})
+        except (json.JSONDecodeError, AttributeError) as err:
+            raise ValueError(f"{path} is not a sample settings file ({err}); use a new --output.") from None
         current = json.loads(json.dumps(identity))  # normalise tuples / key types the way JSON stores them
         changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
-        if changed:
+        if changed and _holds_samples(output):
             raise ValueError(
                 f"{output} holds samples made with different settings ({', '.join(changed)} differ; see {path}). "
                 "Use a new --output, or delete the folder to start over."
             )
+        if changed:
+            note = (f"{path} held other settings ({', '.join(changed)}) but no samples (an earlier run stopped before "
+                    "its first image); it now holds this run's settings.")
     (output / IMAGE_DIR).mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, {"identity": identity, "run": run_info})
+    return note
+
+
+def _check_output_folder(output: Path) -> None:
+    """Refuse an output that is a file, or that lies under a file, before anything is made."""
+    for folder in (output, *output.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                what = "is a file" if folder == output else f"lies under {folder}, which is a file"
+                raise ValueError(f"--output {output} {what}; give a folder (it is created if missing).")
+            return
 
 
 # --------------------------------------------------------------------------------------
@@ -330,8 +401,10 @@ def sample_images(
     ``class_labels_for([i])`` and seed ``settings.seed + i``. ``on_batch`` is called with
     each finished batch's indices.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}.")
+    check_settings(pipe, settings)
+    _check_output_folder(Path(output))
     (Path(output) / IMAGE_DIR).mkdir(parents=True, exist_ok=True)
     todo = missing_indices(output, indices_for_rank(settings.num_samples, rank, world_size))
     pipe.set_progress_bar_config(disable=True)

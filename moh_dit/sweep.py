@@ -131,8 +131,8 @@ def layer_attention_flops(tokens: int, hidden: int, heads: int, head_dim: int, a
     """(ideal head-sparse, dense) FLOPs of one attention layer for one image.
 
     With N tokens, width D, inner width D_in = h d and r = active / h the fraction of
-    (token, head) pairs that compute (MOH_DIT_FACTS.md section 5): dense
-    ``2 N D D_in * 4 + 4 N^2 D_in`` (q, k, v, out projections; QK^T and AV), head-sparse
+    (token, head) pairs that compute (MoH's per-token head selection; docs/design.md section
+    4): dense ``2 N D D_in * 4 + 4 N^2 D_in`` (q, k, v, out projections; QK^T and AV), head-sparse
     ``2 N D D_in (2 + 2r) + 4 r N^2 D_in``: the query and output projections and the
     attention core scale with r, the key and value projections do not (any query may
     attend to any key). Multiplied out in integers (r D_in = active * d), so exact.
@@ -532,7 +532,8 @@ def run_sweep(
         "layer_shared": None if transformer.layer_shared is None else list(transformer.layer_shared),
         "tokens": (cfg.sample_size // cfg.patch_size) ** 2,
         "transformer_calls_per_image": calls,
-        "flops_note": "ideal head-sparse attention FLOPs (MOH_DIT_FACTS.md section 5) of all transformer calls "
+        "flops_note": "ideal head-sparse attention FLOPs (only the selected heads' queries, outputs and attention "
+                      "core counted, as MoH's per-token routing allows) of all transformer calls "
                       "of one image; routers, MLPs and the VAE are not counted",
         "reference": ref.source if isinstance(reference, ReferenceStatistics) else str(Path(reference).resolve()),
         "reference_images": ref.num_images,

@@ -6,26 +6,31 @@
 
 Image i (class i mod num_classes, seed --seed + i) is the same for any number of devices
 and any batch size. To resume after a crash, run the same command again: finished PNGs
-are skipped. The run settings are written to OUTPUT/sample_config.json; a resumed run must
-match them. Works with plain ``python`` on one device (CPU included).
+are skipped. The run settings are written to OUTPUT/sample_config.json once every setting
+has been checked against the model (nothing is written for a refused command); a resumed run
+must match them, unless the folder holds no sample yet. Works with plain ``python`` on one
+device (CPU included).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+from pathlib import Path
 
 from accelerate import Accelerator
 
 from moh_dit.cli import run_cli
-from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS
+from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, SEED_RANGE
 from moh_dit.sampling import (
     CLASS_LABEL_MODES,
     DTYPES,
     SampleSettings,
     check_or_write_settings,
+    check_settings,
     load_pipeline,
     preview_head_activation,
     run_identity,
@@ -64,18 +69,82 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _looks_like_path(name: str) -> bool:
+    """A --vae that can only be a local path: a Hub id is exactly ``org/name``."""
+    return name.startswith((".", "/", "~")) or name.count("/") != 1 or Path(name).exists()
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag that can be checked without the model, in the CLI's spelling; raises
+    ValueError / FileNotFoundError before anything is loaded or written."""
+    def at_least_one(flag: str, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}.")
+
+    at_least_one("--num-samples", args.num_samples)
+    at_least_one("--per-device-batch-size", args.per_device_batch_size)
+    at_least_one("--num-inference-steps", args.num_inference_steps)
+    if not (math.isfinite(args.guidance_scale) and args.guidance_scale >= 1):
+        raise ValueError(f"--guidance-scale must be a finite number >= 1 (1 = no guidance), got {args.guidance_scale}.")
+    ratio = args.head_activation_ratio
+    if ratio is not None and not (math.isfinite(ratio) and 0 < ratio <= 1):
+        raise ValueError(f"--head-activation-ratio must be in (0, 1], got {ratio}; leave it out for the trained one.")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0 (image i uses seed + i), got {args.seed}.")
+    if args.seed + args.num_samples - 1 > SEED_RANGE[1]:
+        raise ValueError(f"--seed {args.seed} + --num-samples {args.num_samples} - 1 exceeds {SEED_RANGE[1]}, the "
+                         "largest seed torch takes (image i uses seed + i); use a smaller --seed.")
+    if args.scheduler == "dpm" and args.clip_sample == "yes":
+        raise ValueError("--clip-sample yes does not apply to --scheduler dpm (DPM-Solver has no x0 clipping); "
+                         "use --clip-sample auto or no.")
+    if args.scheduler == "saved" and args.clip_sample != "auto":
+        raise ValueError("--clip-sample applies to a scheduler built here; --scheduler saved keeps the saved "
+                         "scheduler's own clipping. Leave --clip-sample out, or pick --scheduler ddpm|ddim.")
+    model = Path(args.model).expanduser()
+    if not model.exists():
+        raise FileNotFoundError(f"--model {args.model} does not exist; give a pipeline folder or a save_pretrained "
+                                "transformer folder.")
+    if not model.is_dir():
+        raise ValueError(f"--model {args.model} is a file; give a pipeline folder or a save_pretrained transformer folder.")
+    vae = args.vae
+    if vae is not None and vae.lower() != "none" and _looks_like_path(vae) and not Path(vae).expanduser().is_dir():
+        what = "is not a folder" if Path(vae).expanduser().exists() else "does not exist"
+        raise FileNotFoundError(f"--vae {vae} {what}; give an AutoencoderKL folder, a Hub id (org/name) or 'none'.")
+    output = Path(args.output)
+    for folder in (output, *output.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                what = "is a file" if folder == output else f"lies under {folder}, which is a file"
+                raise ValueError(f"--output {args.output} {what}; give a folder (it is created if missing).")
+            break
+
+
+def check_model_args(args: argparse.Namespace, pipe, settings: SampleSettings) -> None:
+    """The flags whose limits come from the model: steps within its diffusion steps, the ratio
+    within its reachable range, and the pipeline's own rules; before anything is written."""
+    train_steps = int(getattr(pipe.scheduler.config, "num_train_timesteps", 1000))
+    if args.num_inference_steps > train_steps:
+        raise ValueError(f"--num-inference-steps {args.num_inference_steps} is more than the {train_steps} diffusion "
+                         f"steps the model was trained with; use 1..{train_steps}.")
+    if args.head_activation_ratio is not None:
+        low, high = pipe.transformer.head_activation_range
+        if not low - 1e-9 <= args.head_activation_ratio <= high + 1e-9:
+            # The model's own message names its reachable range.
+            preview_head_activation(pipe.transformer, args.head_activation_ratio)
+    check_settings(pipe, settings)
+
+
 def main(args: argparse.Namespace) -> int:
+    check_args(args)
     settings = SampleSettings(
         num_samples=args.num_samples, guidance_scale=args.guidance_scale, guidance_channels=args.guidance_channels,
         num_inference_steps=args.num_inference_steps, head_activation_ratio=args.head_activation_ratio,
         seed=args.seed, class_labels=args.class_labels,
     )
-    if args.per_device_batch_size < 1:
-        raise ValueError(f"--per-device-batch-size must be >= 1, got {args.per_device_batch_size}.")
     accelerator = Accelerator()
     clip = {"auto": None, "yes": True, "no": False}[args.clip_sample]
     pipe = load_pipeline(args.model, vae=args.vae, scheduler=args.scheduler, clip_sample=clip, dtype=args.dtype)
-    # Checks the ratio before anything is written.
+    check_model_args(args, pipe, settings)  # everything is checked before anything is written
     realised, top_k = preview_head_activation(pipe.transformer, args.head_activation_ratio)
     identity = run_identity(pipe, settings, args.model)
     run_info = {
@@ -92,7 +161,9 @@ def main(args: argparse.Namespace) -> int:
             print(json.dumps({"identity": identity, "run": run_info}, indent=2, sort_keys=True))
         return 0
     if accelerator.is_main_process:
-        check_or_write_settings(args.output, identity, run_info)
+        note = check_or_write_settings(args.output, identity, run_info)
+        if note:
+            print(f"note: {note}")
     accelerator.wait_for_everyone()
 
     pipe.to(accelerator.device)

@@ -165,3 +165,119 @@ def test_script_pipeline_folder_and_dry_run(tmp_path, randomize, capsys, load_sc
     assert printed["identity"]["scheduler"]["_class_name"] == "DDIMScheduler"
     assert printed["identity"]["class_labels"] == "uniform" and printed["identity"]["guidance_channels"] == "dit"
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------
+# scripts/sample.py refuses bad flags before writing anything
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    """A tiny MoH transformer folder, a non-learned-sigma one, and a non-model folder, outside
+    each test's tmp_path (which `refuses` watches)."""
+    root = tmp_path_factory.mktemp("models")
+    for name, overrides in (("moh", {}), ("fixed", {"learn_sigma": False})):
+        model = MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, **overrides)
+        generator = torch.Generator().manual_seed(4)
+        with torch.no_grad():  # random weights: DiT's init would make every block the identity
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+        model.save_pretrained(root / name)
+    (root / "empty").mkdir()
+    (root / "weights.pt").write_bytes(b"not a folder")
+    return root
+
+
+def _sample_argv(models, out, *extra):
+    return ["--model", models / "moh", "--output", out, "--num-samples", "2", "--per-device-batch-size", "2",
+            "--num-inference-steps", "1", *extra]
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        # Reproduction: --guidance-scale 0.5 used to fail only after writing sample_config.json.
+        (["--guidance-scale", "0.5"], r"--guidance-scale must be a finite number >= 1.*got 0\.5"),
+        (["--guidance-scale", "nan"], r"--guidance-scale must be a finite number >= 1.*got nan"),
+        (["--guidance-scale", "inf"], r"--guidance-scale must be a finite number >= 1.*got inf"),
+        (["--guidance-scale", "-2"], r"--guidance-scale must be a finite number >= 1"),
+        (["--guidance-scale", "x"], r"--guidance-scale: invalid float value"),
+        (["--num-inference-steps", "0"], r"--num-inference-steps must be >= 1, got 0"),
+        (["--num-inference-steps", "-5"], r"--num-inference-steps must be >= 1, got -5"),
+        (["--num-inference-steps", "1001"], r"--num-inference-steps 1001 is more than the 1000 diffusion steps"),
+        (["--num-inference-steps", "2.5"], r"--num-inference-steps: invalid int value"),
+        (["--num-samples", "0"], r"--num-samples must be >= 1, got 0"),
+        (["--num-samples", "-1"], r"--num-samples must be >= 1, got -1"),
+        (["--per-device-batch-size", "0"], r"--per-device-batch-size must be >= 1, got 0"),
+        (["--per-device-batch-size", "-4"], r"--per-device-batch-size must be >= 1, got -4"),
+        (["--head-activation-ratio", "0.2"], r"outside the reachable range \[0\.5000, 1\.0\]"),
+        (["--head-activation-ratio", "0"], r"--head-activation-ratio must be in \(0, 1\], got 0\.0"),
+        (["--head-activation-ratio", "-0.5"], r"--head-activation-ratio must be in \(0, 1\]"),
+        (["--head-activation-ratio", "1.5"], r"--head-activation-ratio must be in \(0, 1\], got 1\.5"),
+        (["--head-activation-ratio", "nan"], r"--head-activation-ratio must be in \(0, 1\], got nan"),
+        (["--head-activation-ratio", "inf"], r"--head-activation-ratio must be in \(0, 1\], got inf"),
+        (["--seed", "-1"], r"--seed must be >= 0"),
+        (["--seed", str(2**64 - 1)], r"--seed 18446744073709551615 \+ --num-samples 2 - 1 exceeds"),
+        (["--scheduler", "euler"], r"--scheduler: invalid choice"),
+        (["--scheduler", "saved"], r"transformer folder with no saved scheduler"),
+        (["--scheduler", "dpm", "--clip-sample", "yes"], r"--clip-sample yes does not apply to --scheduler dpm"),
+        (["--scheduler", "saved", "--clip-sample", "no"], r"--clip-sample applies to a scheduler built here"),
+        (["--clip-sample", "maybe"], r"--clip-sample: invalid choice"),
+        (["--guidance-channels", "first3"], r"--guidance-channels: invalid choice"),
+        (["--class-labels", "random"], r"--class-labels: invalid choice"),
+        (["--dtype", "float8"], r"--dtype: invalid choice"),
+        (["--vae", "missing-vae"], r"--vae missing-vae does not exist"),
+        (["--vae", "./vae"], r"--vae \./vae does not exist"),
+        (["--vae", "{models}/weights.pt"], r"--vae .*weights\.pt is not a folder"),
+        (["--model", "{models}/nope"], r"--model .*nope does not exist"),
+        (["--model", "{models}/weights.pt"], r"--model .*weights\.pt is a file"),
+        (["--model", "{models}/empty"], r"neither a pipeline folder \(model_index\.json\) nor a transformer folder"),
+        # A learned-variance DDPM with a model that does not learn sigma: refused before writing.
+        (["--model", "{models}/fixed"], r"does not learn sigma"),
+        (["--output", "{tmp}/file.txt"], r"--output .*file\.txt is a file"),
+        (["--output", "{tmp}/file.txt/out"], r"--output .*out lies under .*file\.txt, which is a file"),
+    ],
+)
+def test_script_refuses_bad_flags_before_writing(extra, match, saved_models, tmp_path, refuses):
+    (tmp_path / "file.txt").write_text("mine")
+    fill = lambda a: str(a).replace("{models}", str(saved_models)).replace("{tmp}", str(tmp_path))
+    argv = [fill(a) for a in _sample_argv(saved_models, tmp_path / "out")]
+    extra = [fill(a) for a in extra]
+    # A later --model / --output overrides the base one (argparse keeps the last).
+    refuses("sample", argv + extra, match)
+
+
+def test_refused_run_does_not_block_the_corrected_one(saved_models, tmp_path, refuses, load_script, capsys):
+    """Reproduction: `--guidance-scale 0.5` wrote sample_config.json and failed; the corrected
+    command was then refused ("holds samples made with different settings") from a folder
+    holding none. Now the bad run writes nothing, and a settings file left with zero samples
+    (by an older version, or a run that failed at its first batch) gives way, with a note."""
+    out = tmp_path / "out"
+    refuses("sample", _sample_argv(saved_models, out, "--guidance-scale", "0.5"), "--guidance-scale")
+    assert not out.exists()
+    # What the old code left behind: settings of the refused run, an empty samples/ folder.
+    (out / "samples").mkdir(parents=True)
+    (out / SETTINGS_FILE).write_text(json.dumps({"identity": {"guidance_scale": 0.5}, "run": {}}))
+    script = load_script("sample")
+    assert script.cli([str(a) for a in _sample_argv(saved_models, out, "--guidance-scale", "1.5")]) == 0
+    assert "no samples" in capsys.readouterr().out
+    assert json.loads((out / SETTINGS_FILE).read_text())["identity"]["guidance_scale"] == 1.5
+    assert len(list((out / "samples").glob("*.png"))) == 2
+    # Once the folder holds samples, other settings are refused as before.
+    refuses("sample", _sample_argv(saved_models, out, "--guidance-scale", "2.0"), "different settings.*guidance_scale")
+
+
+def test_sample_settings_validate():
+    for kwargs, message in [
+        (dict(guidance_scale=float("inf")), "guidance_scale must be a finite number >= 1"),
+        (dict(guidance_scale=0.5), "guidance_scale must be a finite number >= 1"),
+        (dict(num_inference_steps=0), "num_inference_steps must be an int >= 1"),
+        (dict(head_activation_ratio=1.5), r"head_activation_ratio must be in \(0, 1\]"),
+        (dict(head_activation_ratio=float("nan")), r"head_activation_ratio must be in \(0, 1\]"),
+        (dict(num_samples=0), "num_samples must be an int >= 1"),
+        (dict(seed=-1), "seed must be an int >= 0"),
+        (dict(seed=2**64 - 1, num_samples=2), "exceeds"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SampleSettings(**kwargs)
