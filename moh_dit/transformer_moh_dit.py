@@ -1,7 +1,10 @@
 """MoH-DiT: a class-conditional Diffusion Transformer with Mixture-of-Head attention.
 
-Reading order: routing result, attention processors, ``MoHAttention``, ``MoHDiTBlock``,
-``MoHDiTTransformer2DModel``. Shared pieces come from diffusers: ``Attention`` (projections
+Reading order: head-activation rules, the head-sparse policy, attention processor,
+``MoHAttention``, ``MoHDiTBlock``, ``MoHDiTTransformer2DModel``. The routing result
+(``MoHRouting``) and the attention computations (dense-masked and head-sparse) live in
+``sparse_attention.py``, which this module imports from and which never imports it back;
+both are re-exported here. Shared pieces come from diffusers: ``Attention`` (projections
 and the processor mechanism), ``PatchEmbed``, ``AdaLayerNormZero``, ``FeedForward``,
 ``Timesteps`` / ``TimestepEmbedding`` / ``LabelEmbedding``.
 
@@ -29,10 +32,12 @@ from torch import nn
 
 from .presets import get_preset, resolve_layer_layout
 from .sparse_attention import STRATEGIES as SPARSE_STRATEGIES
-from .sparse_attention import MoHSparseAttnProcessor
+from .sparse_attention import MoHRouting, MoHSparseAttnProcessor, dense_masked_attention, skips_at_density
 
 __all__ = [
     "MoHRouting",
+    "SparseInferencePolicy",
+    "min_top_k",
     "MoHAttnProcessor",
     "MoHAttention",
     "MoHDiTBlock",
@@ -43,34 +48,16 @@ __all__ = [
 
 GATE_MODES = ("release", "paper")
 
-# When head-sparse inference is chosen automatically (see MoHAttention.uses_sparse_processor).
-AUTO_SPARSE_MAX_ACTIVE = 0.5
-AUTO_SPARSE_MIN_WORK = 256 * 768
-# Devices where automatic mode may pick it. On an H200 (torch 2.11, bf16) every head-sparse
-# strategy was slower than dense-masked at every measured size (README, GPU table): the
-# GEMMs there are so fast that launches, host syncs and gathers dominate.
-AUTO_SPARSE_DEVICES = ("cpu",)
-
 
 # --------------------------------------------------------------------------------------
-# Routing
+# Head activation
 # --------------------------------------------------------------------------------------
 
 
-@dataclass
-class MoHRouting:
-    """What a MoH router decided for one layer and one batch.
-
-    ``gates`` is the dense per-head gate (zeros for routed heads a token did not select);
-    ``routed_index`` / ``routed_gates`` hold the same routed decision in top-K form, which
-    the head-sparse processor uses to skip work.
-    """
-
-    gates: torch.Tensor  # (B, N, h) float32
-    routed_index: torch.Tensor | None  # (B, N, K) long, indices into the routed heads
-    routed_gates: torch.Tensor | None  # (B, N, K) float32
-    load_balance_loss: torch.Tensor | None  # scalar, only for layers with routed heads
-    head_usage: torch.Tensor | None  # (h,) fraction of tokens that used each head
+def min_top_k(heads: int, shared: int) -> int:
+    """The smallest routed top-K a layer may use: a layer without shared heads keeps one
+    routed head so that it still attends; any other layer may drop to K = 0."""
+    return 1 if shared == 0 and heads > shared else 0
 
 
 def top_k_for_ratio(
@@ -88,7 +75,7 @@ def top_k_for_ratio(
     """
     total = sum(heads)
     routed = [h - s for h, s in zip(heads, shared)]
-    k_min = [1 if (s == 0 and r > 0) else 0 for s, r in zip(shared, routed)]
+    k_min = [min_top_k(h, s) for h, s in zip(heads, shared)]
     lowest = (sum(shared) + sum(k_min)) / total
     if not (lowest - 1e-9 <= ratio <= 1.0 + 1e-9):
         raise ValueError(
@@ -121,27 +108,47 @@ def top_k_for_ratio(
 # --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SparseInferencePolicy:
+    """When automatic mode (``sparse_inference=None``) takes the head-sparse path: only
+    where skipping heads pays for gathering the selected tokens.
+
+    Args:
+        max_active: largest fraction ``(hs + K) / h`` of a layer's heads that may be active.
+        min_work: smallest ``tokens * inner_dim`` of a call. Below these two, gathering the
+            selected tokens costs more than the skipped heads save
+            (``scripts/benchmark_attention.py``: on 2 CPU cores a DiT-B layer at 256 tokens
+            took 0.88x dense time with half its heads active, 1.03x with three quarters).
+        devices: device types the input may be on. On an H200 (torch 2.11, bf16) every
+            head-sparse strategy was slower than dense-masked at every measured size: the
+            GEMMs there are so fast that launches, host syncs and gathers dominate.
+    """
+
+    max_active: float = 0.5
+    min_work: int = 256 * 768
+    devices: tuple[str, ...] = ("cpu",)
+
+    def __post_init__(self):
+        if not 0.0 <= self.max_active <= 1.0:
+            raise ValueError(f"max_active={self.max_active} must be in [0, 1].")
+        if self.min_work < 0:
+            raise ValueError(f"min_work={self.min_work} must be >= 0.")
+        if isinstance(self.devices, str) or not all(isinstance(d, str) for d in self.devices):
+            raise ValueError(f"devices={self.devices!r} must be a tuple of device types such as ('cpu',).")
+        object.__setattr__(self, "devices", tuple(self.devices))
+
+
 class MoHAttnProcessor:
-    """Dense-masked MoH attention: every head is computed (SDPA), then each head's output is
-    multiplied by its gate before the output projection (zero for unselected routed heads).
+    """Dense-masked MoH attention (``sparse_attention.dense_masked_attention``): every head
+    is computed (SDPA), then each head's output is multiplied by its gate before the output
+    projection (zero for unselected routed heads).
 
     This is the release's computation and the training path (routers get gradients through
     the gates). A dense layer (``routing is None``) is plain multi-head attention.
     """
 
     def __call__(self, attn: MoHAttention, hidden_states: torch.Tensor, routing: MoHRouting | None = None):
-        batch, tokens, _ = hidden_states.shape
-        heads, head_dim = attn.heads, attn.inner_dim // attn.heads
-        q = attn.to_q(hidden_states).view(batch, tokens, heads, head_dim).transpose(1, 2)  # (B, h, N, d)
-        k = attn.to_k(hidden_states).view(batch, tokens, heads, head_dim).transpose(1, 2)  # (B, h, N, d)
-        v = attn.to_v(hidden_states).view(batch, tokens, heads, head_dim).transpose(1, 2)  # (B, h, N, d)
-        out = F.scaled_dot_product_attention(q, k, v)  # (B, h, N, d)
-        out = out.transpose(1, 2)  # (B, N, h, d)
-        if routing is not None:
-            out = out * routing.gates.unsqueeze(-1).to(out.dtype)  # (B, N, h, d)
-        out = out.reshape(batch, tokens, heads * head_dim)  # (B, N, h*d)
-        out = attn.to_out[0](out)  # (B, N, D)
-        return attn.to_out[1](out)
+        return dense_masked_attention(attn, hidden_states, routing)
 
 
 class MoHAttention(Attention):
@@ -162,15 +169,12 @@ class MoHAttention(Attention):
 
     Head-sparse inference: ``sparse_inference`` chooses between ``processor`` (dense-masked,
     the training path) and ``sparse_processor`` (``MoHSparseAttnProcessor``, which skips
-    the routed heads a token did not select; same result to float rounding). ``None``
-    (default) = automatic: head-sparse in eval mode when autograd is off (``torch.no_grad``
-    / ``torch.inference_mode``), the default processor is in place, the model is not
-    being compiled (the sparse path has data-dependent shapes), the input is on the CPU
-    (on a GPU dense-masked was faster everywhere measured) and the layer is sparse and
-    large enough for skipping to pay (``uses_sparse_processor``); ``True`` = head-sparse
-    whenever in eval mode; ``False`` = never. Training mode always uses ``processor``.
-    Assign a configured ``MoHSparseAttnProcessor`` to ``sparse_processor`` to change how it
-    skips (strategy, density above which it computes dense-masked).
+    the routed heads a token did not select; same result to float rounding): ``None``
+    (default) = automatic, in eval mode with autograd off, on the CPU, for layers sparse
+    and large enough for skipping to pay (``sparse_policy``); ``True`` = whenever in eval
+    mode; ``False`` = never. ``uses_sparse_processor`` decides, per call, with every
+    condition. Assign a configured ``MoHSparseAttnProcessor`` to ``sparse_processor`` to
+    change how it skips (strategy, ``dense_above``).
     """
 
     def __init__(
@@ -203,6 +207,7 @@ class MoHAttention(Attention):
         self.router_shared = nn.Linear(query_dim, self.num_shared_heads, bias=False) if self.is_moh and self.num_shared_heads > 1 else None
         self.sparse_processor = MoHSparseAttnProcessor()
         self.sparse_inference: bool | None = None
+        self.sparse_policy = SparseInferencePolicy()
 
     def route(self, x: torch.Tensor, need_stats: bool = False) -> MoHRouting | None:
         """Gates of every head for every token of ``x`` (B, N, D); None for a dense layer.
@@ -255,29 +260,39 @@ class MoHAttention(Attention):
         return MoHRouting(gates, routed_index, routed_gates, lb_loss, usage)
 
     def uses_sparse_processor(self, tokens: int | None = None, device: torch.device | None = None) -> bool:
-        """Whether the next forward call takes the head-sparse path (see the class docstring).
+        """Whether a forward call on ``tokens`` tokens on ``device`` skips heads, i.e. runs
+        ``sparse_processor`` (else ``processor``). The one place this is decided.
 
-        Automatic mode also requires the layer to be sparse and large enough for skipping to
-        pay: at most ``AUTO_SPARSE_MAX_ACTIVE`` of its heads active and ``tokens * inner_dim``
-        of at least ``AUTO_SPARSE_MIN_WORK``. Below that, gathering the selected tokens costs
-        more than the skipped heads save (``scripts/benchmark_attention.py``: on 2 CPU cores a
-        DiT-B layer at 256 tokens took 0.88x dense time with half its heads active, 1.03x with
-        three quarters). It also requires the input on a device of ``AUTO_SPARSE_DEVICES``
-        (the CPU; on a GPU dense-masked was faster everywhere measured); ``device=None``
-        skips that condition.
+        Never in training mode, with ``sparse_inference=False`` or without routed heads.
+        Never either when the routed density is above the sparse processor's
+        ``dense_above`` or every routed head is selected (``skips_at_density``; a processor
+        without ``dense_above`` skips at any density), or inside an autocast region on
+        ``device`` (the projections would come out in another dtype than the input, and the
+        sparse strategies' out= / in-place kernels would mix them). Then always with
+        ``sparse_inference=True``. In automatic mode also only when autograd is off, the
+        default processor is in place, the model is not being compiled, and ``sparse_policy``
+        allows it: at most ``max_active`` of the heads active, ``tokens * inner_dim`` of at
+        least ``min_work`` and the input on one of ``devices``. ``device=None`` leaves out
+        the conditions on the device (autocast and ``devices``).
         """
         if self.training or self.sparse_inference is False or not self.num_routed_heads:
             return False
+        dense_above = getattr(self.sparse_processor, "dense_above", 1.0)
+        if not skips_at_density(self.top_k, self.num_routed_heads, dense_above):
+            return False
+        if device is not None and torch.is_autocast_enabled(device.type):
+            return False
         if self.sparse_inference:
             return True
+        policy = self.sparse_policy
         active = (self.num_shared_heads + self.top_k) / self.heads
         return (
             not torch.is_grad_enabled()
             and type(self.processor) is MoHAttnProcessor
             and not torch.compiler.is_compiling()
-            and active <= AUTO_SPARSE_MAX_ACTIVE
-            and (tokens or 0) * self.inner_dim >= AUTO_SPARSE_MIN_WORK
-            and (device is None or device.type in AUTO_SPARSE_DEVICES)
+            and active <= policy.max_active
+            and (tokens or 0) * self.inner_dim >= policy.min_work
+            and (device is None or device.type in policy.devices)
         )
 
     def forward(self, hidden_states: torch.Tensor, need_stats: bool = False) -> tuple[torch.Tensor, MoHRouting | None]:
@@ -498,7 +513,7 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
         """(lowest, highest) head-weighted ratio that ``set_head_activation_ratio`` accepts."""
         if not self.is_moh:
             return 1.0, 1.0
-        lowest = sum(s + (1 if s == 0 and h > s else 0) for h, s in zip(self.layer_heads, self.layer_shared))
+        lowest = sum(s + min_top_k(h, s) for h, s in zip(self.layer_heads, self.layer_shared))
         return lowest / sum(self.layer_heads), 1.0
 
     def set_head_activation_ratio(
@@ -526,7 +541,7 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
             if not 0 <= layer < len(new_k):
                 raise ValueError(f"Layer index {layer} is out of range for a {len(new_k)}-layer model.")
             routed = self.layer_heads[layer] - self.layer_shared[layer]
-            k_min = 1 if self.layer_shared[layer] == 0 else 0
+            k_min = min_top_k(self.layer_heads[layer], self.layer_shared[layer])
             if not k_min <= k <= routed:
                 raise ValueError(f"Layer {layer}: top_k={k} must be in [{k_min}, {routed}] for this layer.")
             new_k[layer] = int(k)
@@ -534,7 +549,9 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
             block.attn1.top_k = k
         return self.head_activation_ratio
 
-    def set_sparse_inference(self, enabled: bool | None, strategy: str | None = None) -> None:
+    def set_sparse_inference(
+        self, enabled: bool | None, strategy: str | None = None, policy: SparseInferencePolicy | None = None
+    ) -> None:
         """Choose the attention path used in eval mode for every MoH layer.
 
         ``True`` forces the head-sparse path (``MoHSparseAttnProcessor``: unselected routed
@@ -544,21 +561,32 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
         input is on the CPU (on a GPU dense-masked was faster everywhere measured) and a
         layer is sparse and large enough for skipping to pay (at most half its heads active,
         tokens x inner width >= 256 x 768; smaller work is faster dense-masked).
+        Either way a layer whose tokens select more than the sparse processor's
+        ``dense_above`` of its routed heads, and any call inside an autocast region, runs
+        dense-masked (``MoHAttention.uses_sparse_processor`` decides, per layer and call).
         Training mode always uses the dense-masked path. A dense DiT ignores the setting.
 
         ``strategy`` (optional) sets how the head-sparse path works on every layer:
         ``"per_head"``, ``"batched"`` or ``"packed"`` (see ``MoHSparseAttnProcessor``), or
         ``"auto"`` to choose by device again (``per_head`` on CPU, ``batched`` on CUDA);
         ``None`` leaves it as it is.
+
+        ``policy`` (optional) sets automatic mode's thresholds on every layer (a
+        ``SparseInferencePolicy``: largest active fraction of heads, smallest tokens x inner
+        width, devices); ``None`` leaves them as they are (by default the values above).
         """
         if enabled is not None and not isinstance(enabled, bool):
             raise ValueError(f"set_sparse_inference takes True, False or None; got {enabled!r}.")
         if strategy is not None and strategy != "auto" and strategy not in SPARSE_STRATEGIES:
             raise ValueError(f"strategy={strategy!r}; choose one of {SPARSE_STRATEGIES}, 'auto' or None.")
+        if policy is not None and not isinstance(policy, SparseInferencePolicy):
+            raise ValueError(f"policy must be a SparseInferencePolicy or None; got {policy!r}.")
         for block in self.transformer_blocks:
             block.attn1.sparse_inference = enabled
             if strategy is not None:
                 block.attn1.sparse_processor.strategy = None if strategy == "auto" else strategy
+            if policy is not None:
+                block.attn1.sparse_policy = policy
 
     # ---------------------------------------------------------------- forward
     def _check_inputs(self, hidden_states: torch.Tensor, timestep, class_labels) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from moh_dit import PRESETS, MoHDiTTransformer2DModel, head_activation_ratio_of_config, top_k_for_ratio
 from moh_dit.convert import model_to_release_state_dict, release_state_dict_to_model
-from moh_dit.transformer_moh_dit import MoHAttention
+from moh_dit.transformer_moh_dit import MoHAttention, min_top_k
 
 # A layout with per-layer head counts and inner width != hidden (like XL), every gate case.
 UNEVEN = dict(
@@ -331,6 +331,17 @@ def test_trained_ratio_gives_trained_top_k(name):
         realised = (sum(cfg["num_shared_heads"]) + sum(k)) / total
         assert abs(realised - r) <= 0.5 / total + 1e-12  # as close as any layout can get
         assert all(0 <= kk <= h - s for kk, h, s in zip(k, heads, cfg["num_shared_heads"]))
+
+
+def test_min_top_k_rule():
+    """One rule for the smallest routed top-K (a layer without shared heads keeps one routed
+    head), and top_k_for_ratio's lowest reachable ratio follows it."""
+    assert [min_top_k(h, s) for h, s in [(4, 0), (4, 1), (4, 4), (1, 0)]] == [1, 0, 0, 1]
+    heads, shared, trained = [4, 3, 2], [0, 3, 1], [2, 0, 1]
+    lowest = (sum(shared) + sum(min_top_k(h, s) for h, s in zip(heads, shared))) / sum(heads)
+    assert top_k_for_ratio(heads, shared, trained, lowest) == [1, 0, 0]
+    with pytest.raises(ValueError, match="reachable range"):
+        top_k_for_ratio(heads, shared, trained, lowest - 0.05)
 
 
 def test_set_head_activation_ratio(randomize):

@@ -1,12 +1,17 @@
 """Head-sparse MoH inference against the dense-masked path and a loop reference."""
 
+import ast
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
+import moh_dit
 import moh_dit.sparse_attention as sparse_attention
 from moh_dit import PRESETS, MoHDiTTransformer2DModel, top_k_for_ratio
 from moh_dit.sparse_attention import MoHSparseAttnProcessor, ideal_flop_ratio, sparse_attention_reference
-from moh_dit.transformer_moh_dit import MoHAttention, MoHAttnProcessor, MoHRouting
+from moh_dit.transformer_moh_dit import MoHAttention, MoHAttnProcessor, MoHRouting, SparseInferencePolicy
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -100,15 +105,15 @@ def test_heads_that_no_token_selects(h, hs, k, allowed):
             assert rel_err(sparse_attention_reference(attn, x, routing), ref) <= 1e-5
 
 
-def test_many_blocks_per_head(monkeypatch):
+def test_many_blocks_per_head():
     """The per-head strategy gathers and scatters in blocks of rows; force several."""
-    monkeypatch.setattr(sparse_attention, "_BLOCK_BYTES", 3 * 16 * 4)  # 3 rows of D = 16 floats
+    small = MoHSparseAttnProcessor("per_head", dense_above=1.0, block_bytes=3 * 16 * 4)  # 3 rows of D = 16 floats
     for h, hs, k in [(6, 0, 2), (7, 2, 3)]:
         attn = layer(h, hs, k)
         x = torch.randn(3, 23, 16)
         with torch.no_grad():
             routing = attn.route(x)
-            assert rel_err(SPARSE(attn, x, routing), DENSE(attn, x, routing)) <= 1e-5
+            assert rel_err(small(attn, x, routing), DENSE(attn, x, routing)) <= 1e-5
 
 
 def test_without_biases():
@@ -174,16 +179,24 @@ def test_bf16(h, hs, k):
 
 
 def test_autocast_computes_dense_masked():
-    """Under autocast the projections change dtype; every strategy then returns exactly the
-    dense-masked result instead of mixing dtypes in its in-place kernels."""
+    """Under autocast the projections change dtype; with every strategy the layer then
+    returns exactly the dense-masked result instead of mixing dtypes in the in-place
+    kernels, and the processor called directly refuses rather than computing wrongly."""
     attn = layer(6, 1, 2)
+    attn.sparse_inference = True
     x = torch.randn(2, 12, 16)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         routing = attn.route(x)
         ref = DENSE(attn, x, routing)
         assert ref.dtype == torch.bfloat16
+        assert not attn.uses_sparse_processor(12, x.device)
         for processor in ALL:
-            assert torch.equal(processor(attn, x, routing), ref), processor.strategy
+            attn.sparse_processor = processor
+            assert torch.equal(attn(x)[0], ref), processor.strategy
+            with pytest.raises(ValueError, match="autocast"):
+                processor(attn, x, routing)
+    attn.sparse_processor = SPARSE
+    assert attn.uses_sparse_processor(12, x.device)  # outside autocast it skips again
 
 
 # ------------------------------------------------------------------ the model switch
@@ -255,12 +268,10 @@ def test_auto_mode_keeps_small_or_dense_layers_masked(randomize):
     assert not attn.uses_sparse_processor(tokens=10**6) or (attn.num_shared_heads + attn.top_k) / attn.heads <= 0.5
 
 
-def test_path_selection(randomize, monkeypatch):
-    import moh_dit.transformer_moh_dit as tmd
-
-    monkeypatch.setattr(tmd, "AUTO_SPARSE_MAX_ACTIVE", 1.0)
-    monkeypatch.setattr(tmd, "AUTO_SPARSE_MIN_WORK", 0)
+def test_path_selection(randomize):
     model, x, t, y = model_and_inputs(randomize)
+    anywhere = SparseInferencePolicy(max_active=1.0, min_work=0)  # any density and size, CPU only
+    model.set_sparse_inference(None, policy=anywhere)
     routed_layers = sum(1 for h, s in zip(model.layer_heads, model.layer_shared) if h > s)
     sparse_calls = spy_sparse(model)
 
@@ -282,9 +293,9 @@ def test_path_selection(randomize, monkeypatch):
     with torch.no_grad():  # automatic mode takes the sparse path on the CPU only
         assert attn.uses_sparse_processor(64, torch.device("cpu"))
         assert not attn.uses_sparse_processor(64, torch.device("cuda"))
-    monkeypatch.setattr(tmd, "AUTO_SPARSE_DEVICES", ())  # the forward passes its input's device
-    assert calls(False, False, None) == 0
-    monkeypatch.setattr(tmd, "AUTO_SPARSE_DEVICES", ("cpu",))
+    model.set_sparse_inference(None, policy=dataclasses.replace(anywhere, devices=()))
+    assert calls(False, False, None) == 0  # the forward passes its input's device
+    model.set_sparse_inference(None, policy=anywhere)
     with pytest.raises(ValueError, match="True, False or None"):
         model.set_sparse_inference("yes")
     model.eval().set_sparse_inference(None)
@@ -367,6 +378,46 @@ def test_bad_arguments_rejected():
         MoHSparseAttnProcessor("fast")
     with pytest.raises(ValueError, match="dense_above"):
         MoHSparseAttnProcessor(dense_above=1.5)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="block_bytes"):
+            MoHSparseAttnProcessor(block_bytes=bad)
+    for kwargs, match in [
+        (dict(max_active=1.5), "max_active"), (dict(max_active=-0.1), "max_active"),
+        (dict(min_work=-1), "min_work"), (dict(devices="cpu"), "devices"), (dict(devices=(1,)), "devices"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SparseInferencePolicy(**kwargs)
+    model = MoHDiTTransformer2DModel(**UNEVEN)
+    with pytest.raises(ValueError, match="SparseInferencePolicy"):
+        model.set_sparse_inference(None, policy={"max_active": 1.0})
+
+
+def test_policy_thresholds_are_per_model(randomize):
+    """Automatic mode's thresholds are arguments: one model's policy changes its own layers
+    only, and the defaults are the documented ones."""
+    assert SparseInferencePolicy() == SparseInferencePolicy(0.5, 256 * 768, ("cpu",))
+    model, x, t, y = model_and_inputs(randomize)
+    other, *_ = model_and_inputs(randomize)
+    model.set_sparse_inference(None, policy=SparseInferencePolicy(max_active=1.0, min_work=0))
+    with torch.no_grad():
+        assert model.transformer_blocks[1].attn1.uses_sparse_processor(16, torch.device("cpu"))
+        assert not other.transformer_blocks[1].attn1.uses_sparse_processor(16, torch.device("cpu"))
+    model.set_sparse_inference(True)  # None leaves the policy as it is
+    assert model.transformer_blocks[1].attn1.sparse_policy.min_work == 0
+
+
+def test_sparse_module_never_imports_the_model():
+    """The model imports the sparse module, not the other way round (not even inside a
+    function or under TYPE_CHECKING), and the names that moved still import from both."""
+    tree = ast.parse(Path(sparse_attention.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(("." * node.level) + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+    assert not any("transformer_moh_dit" in name or name.startswith(".") for name in imported), imported
+    assert moh_dit.MoHRouting is sparse_attention.MoHRouting is MoHRouting
 
 
 def test_dense_above_threshold():
@@ -376,10 +427,12 @@ def test_dense_above_threshold():
     assert not processor.skips_heads(layer(6, 2, 4))  # all selected: nothing to skip
     assert not processor.skips_heads(layer(4, 4, 0))  # no routed heads
     attn = layer(6, 2, 3)
+    attn.sparse_processor, attn.sparse_inference = processor, True
+    assert not attn.uses_sparse_processor(9, torch.device("cpu"))  # the layer decides, once
     x = torch.randn(2, 9, 16)
     with torch.no_grad():
-        routing = attn.route(x)
-        assert torch.equal(processor(attn, x, routing), DENSE(attn, x, routing))
+        out, routing = attn(x)
+        assert torch.equal(out, DENSE(attn, x, routing))
 
 
 def test_benchmark_script_layer_rows_smoke(load_script):
