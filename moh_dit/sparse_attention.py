@@ -30,7 +30,7 @@ routed density, automatic mode's size and device conditions) is decided in one p
 here; nothing here imports the model. Reading order: the routing result, the dense-masked
 computation, the weights and the selection plan the strategies share, the three strategies
 (``per_head_attention``, ``batched_attention``, ``packed_attention``), the processor, the
-loop reference.
+block helpers, the loop reference.
 
 Only portable torch operations are used (index_select, addmm / baddbmm,
 scaled_dot_product_attention, nested tensors, index_add_), so the same code runs on CPU and
