@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -40,6 +42,35 @@ __all__ = [
 
 class ConversionError(ValueError):
     """The checkpoint does not match the requested preset or format."""
+
+
+# What --checkpoint accepts, for the errors that must say it.
+ACCEPTED_FORMATS = (
+    "a .pt/.pth torch checkpoint of the MoH-DiT release or facebookresearch/DiT (or a bare state dict in "
+    "their key format), a .safetensors state dict, a diffusers DiTTransformer2DModel or DiTPipeline folder, "
+    "a URL, or a Hub id (org/name)"
+)
+# A name ending in one of these is a file name, never a Hub id.
+_FILE_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".pickle", ".npz", ".json", ".tar", ".zip"}
+
+
+def _is_hub_id(source: str) -> bool:
+    """Only ``org/name`` is tried on the Hub: exactly one slash, no leading ``.``, ``/`` or
+    ``~``, no backslash and no file extension; anything else is a local path."""
+    org, _, name = source.partition("/")
+    return (
+        source.count("/") == 1 and bool(org) and bool(name) and "\\" not in source
+        and not source.startswith((".", "/", "~")) and Path(name).suffix.lower() not in _FILE_SUFFIXES
+    )
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    lines = str(err).strip().splitlines()
+    if not lines:
+        return type(err).__name__
+    first = lines[0].split(". ")[0].rstrip(".")  # loaders append paragraphs of advice
+    return f"{type(err).__name__}: {first[:200]}"
 
 
 # Keys of the release format that map one-to-one onto the model (qkv is split separately).
@@ -180,7 +211,8 @@ def diffusers_dit_state_dict_to_model(
     if worst > 0 and not allow_divergent_embeddings:
         raise ConversionError(
             f"The per-block timestep/label embedders differ between blocks (max difference {worst:.3g}); "
-            "folding them into one changes the model. Pass allow_divergent_embeddings=True to use block 0's copy."
+            "folding them into one changes the model. Pass --allow-divergent-embeddings (allow_divergent_embeddings=True) "
+            "to use block 0's copy."
         )
     for rest, value in first.items():
         ours[f"time_class_embed.{rest}"] = value
@@ -189,18 +221,52 @@ def diffusers_dit_state_dict_to_model(
 
 
 def _load_file_state_dict(path: Path) -> dict[str, Any]:
+    """Read one weights file; an empty, truncated or foreign file is a ConversionError naming
+    the file and what is accepted, not the loader's traceback (``EOFError``, ``KeyError``...)."""
+    if path.stat().st_size == 0:
+        raise ConversionError(f"{path} is empty (0 bytes). Expected {ACCEPTED_FORMATS}.")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(str(path))
+        try:
+            return load_file(str(path))
+        except MemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+            raise ConversionError(
+                f"{path} is not a readable .safetensors file (truncated or corrupt? {_one_line(err)}). "
+                f"Expected {ACCEPTED_FORMATS}."
+            ) from None
     # The release pickles an argparse.Namespace under "args": allow exactly that class rather
     # than unpickling arbitrary objects with weights_only=False.
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        return torch.load(str(path), map_location="cpu", weights_only=True)
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(str(path), map_location="cpu", weights_only=True)
+    except MemoryError:
+        raise
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        if found:
+            raise ConversionError(
+                f"{path} is a pickle holding {found.group(1)}, not only tensors, dicts and argparse.Namespace; it is "
+                f"not loaded, since unpickling other objects can run code. Expected {ACCEPTED_FORMATS}."
+            ) from None
+        reason = re.search(r"WeightsUnpickler error: ([^\n]+)", str(err))
+        raise ConversionError(
+            f"{path} is not a readable torch checkpoint (not a checkpoint, or corrupt: "
+            f"{reason.group(1).rstrip('.') if reason else _one_line(err)}). "
+            f"Expected {ACCEPTED_FORMATS}."
+        ) from None
+    except Exception as err:  # noqa: BLE001 - torch.load raises EOFError, KeyError, RuntimeError, ...
+        raise ConversionError(
+            f"{path} is not a readable torch checkpoint (truncated, corrupt or not a checkpoint: {_one_line(err)}). "
+            f"Expected {ACCEPTED_FORMATS}."
+        ) from None
 
 
 def _fetch(source: str) -> Path:
-    """A local path as is; a URL downloaded to the torch hub cache; a hub id snapshot-downloaded."""
+    """A local path as is; a URL downloaded to the torch hub cache; a Hub id (``org/name``
+    only) snapshot-downloaded. A path-like source that does not exist is a missing file."""
     path = Path(source).expanduser()
     if path.exists():
         return path
@@ -208,16 +274,22 @@ def _fetch(source: str) -> Path:
         target = Path(torch.hub.get_dir()) / "checkpoints" / Path(source).name
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
-            torch.hub.download_url_to_file(source, str(target))
+            try:
+                torch.hub.download_url_to_file(source, str(target))
+            except Exception as err:  # noqa: BLE001 - network errors come in many types
+                raise FileNotFoundError(f"Could not download checkpoint {source} ({_one_line(err)}).") from None
         return target
-    if source.count("/") == 1 and not source.startswith((".", "/")):
+    if _is_hub_id(source):
         from huggingface_hub import snapshot_download
 
         try:
             return Path(snapshot_download(source, allow_patterns=["*.json", "transformer/*", "*.safetensors", "*.pt"]))
         except Exception as err:  # noqa: BLE001 - re-raised with the context users need
-            raise FileNotFoundError(f"{source!r} is not a local path and could not be fetched from the Hub: {err}") from err
-    raise FileNotFoundError(f"Checkpoint {source!r} does not exist (expected a .pt/.safetensors file, a diffusers folder, a URL or a Hub id).")
+            raise FileNotFoundError(
+                f"Checkpoint {source!r} is neither a local path (no such file or folder) nor fetchable from the Hub "
+                f"({_one_line(err)})."
+            ) from None
+    raise FileNotFoundError(f"Checkpoint file {source} does not exist ({path.resolve()}). Expected {ACCEPTED_FORMATS}.")
 
 
 def load_checkpoint_state_dict(source: str | os.PathLike, weights: str = "ema") -> tuple[str, dict[str, torch.Tensor], dict | None]:
@@ -235,9 +307,12 @@ def load_checkpoint_state_dict(source: str | os.PathLike, weights: str = "ema") 
             path = path / "transformer"
         config_file = path / "config.json"
         if not config_file.exists():
-            raise ConversionError(f"{path} is a folder without config.json; expected a diffusers DiTTransformer2DModel folder.")
-        config = json.loads(config_file.read_text())
-        if config.get("_class_name") != "DiTTransformer2DModel":
+            raise ConversionError(f"{path} is a folder without config.json. Expected {ACCEPTED_FORMATS}.")
+        try:
+            config = json.loads(config_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ConversionError(f"{config_file} is not valid JSON ({_one_line(err)}).") from None
+        if not isinstance(config, dict) or config.get("_class_name") != "DiTTransformer2DModel":
             raise ConversionError(f"{config_file} describes a {config.get('_class_name')!r}, not a DiTTransformer2DModel.")
         files = sorted(path.glob("diffusion_pytorch_model*.safetensors")) or sorted(path.glob("diffusion_pytorch_model*.bin"))
         if not files:
@@ -251,7 +326,10 @@ def load_checkpoint_state_dict(source: str | os.PathLike, weights: str = "ema") 
         raise ConversionError(f"{path} holds a {type(raw).__name__}, not a state dict or a training checkpoint dict.")
     if "ema" in raw or "model" in raw:
         if weights not in raw:
-            raise ConversionError(f"{path} has no {weights!r} weights; its top-level keys are {sorted(raw)}.")
+            raise ConversionError(
+                f"{path} has no {weights!r} weights; its top-level keys are {sorted(raw)}. "
+                "Choose the weights it has with --weights (weights=)."
+            )
         raw = raw[weights]
     state_dict = {k: v for k, v in raw.items() if torch.is_tensor(v)}
     if not state_dict:
@@ -259,11 +337,26 @@ def load_checkpoint_state_dict(source: str | os.PathLike, weights: str = "ema") 
     return "release", _strip_prefix(state_dict), None
 
 
+def _check_output(output: Path, overwrite: bool) -> None:
+    """Refuse an output that is a file (or lies under one) whatever ``overwrite`` says, and a
+    non-empty folder without it: nothing the user made is replaced unasked."""
+    for folder in (output, *output.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                what = "is a file" if folder == output else f"lies under {folder}, which is a file"
+                raise FileExistsError(f"Output {output} {what}; --output (output=) must be a folder path.")
+            break
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"Output folder {output} exists and is not empty; choose another or pass --overwrite (overwrite=True) "
+            "to replace it."
+        )
+
+
 def save_pretrained_atomic(model: MoHDiTTransformer2DModel, output: str | os.PathLike, overwrite: bool = False) -> Path:
     """``save_pretrained`` into a temporary sibling folder, then rename it into place."""
     output = Path(output)
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise FileExistsError(f"Output folder {output} exists and is not empty; choose another or pass overwrite=True.")
+    _check_output(output, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     try:
@@ -295,13 +388,19 @@ def convert_checkpoint(
     """
     if preset not in PRESETS:
         raise ValueError(f"Unknown preset {preset!r}. Known presets: {', '.join(PRESETS)}.")
-    if output is not None:
-        output = Path(output)
-        if output.exists() and any(output.iterdir()) and not overwrite:
-            raise FileExistsError(f"Output folder {output} exists and is not empty; choose another or pass overwrite=True.")
-    fmt, state_dict, dconfig = load_checkpoint_state_dict(checkpoint, weights)
     config = get_preset(preset)
     patch = config["patch_size"]
+    for flag, value in (("--sample-size (sample_size)", sample_size), ("--num-classes (num_classes)", num_classes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{flag} must be an int >= 1, got {value!r}; leave it out to read it from the checkpoint.")
+    if sample_size is not None and sample_size % patch:
+        raise ValueError(
+            f"--sample-size (sample_size) {sample_size} is not a multiple of {preset}'s patch size {patch}."
+        )
+    if output is not None:
+        output = Path(output)
+        _check_output(output, overwrite)  # before the (slow) load: nothing is read for a refused output
+    fmt, state_dict, dconfig = load_checkpoint_state_dict(checkpoint, weights)
     if fmt == "release":
         if "pos_embed" in state_dict and sample_size is None:
             sample_size = int(round(state_dict["pos_embed"].shape[1] ** 0.5)) * patch

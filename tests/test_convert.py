@@ -1,6 +1,7 @@
 """Checkpoint conversion: release pickles, bare state dicts, diffusers DiT folders, the CLI."""
 
 import argparse
+import fractions
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,104 @@ def test_existing_output_is_not_clobbered(tmp_path, randomize):
     with pytest.raises(FileExistsError):
         convert_checkpoint(tmp_path / "ckpt.pt", "MoH-DiT-Tiny", output=tmp_path / "out")
     assert (tmp_path / "out" / "keep.txt").exists()
+
+
+# --------------------------------------------------------------------------------------
+# scripts/convert_checkpoint.py refuses bad input in one line, before writing anything
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A tiny release checkpoint and broken files beside it, outside each test's tmp_path."""
+    root = tmp_path_factory.mktemp("convert_inputs")
+    model = MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8)
+    state = model_to_release_state_dict(model)
+    torch.save({"ema": state, "args": argparse.Namespace(model="DiT-XL/2")}, root / "ckpt.pt")
+    data = (root / "ckpt.pt").read_bytes()
+    (root / "truncated.pt").write_bytes(data[: len(data) // 2])
+    (root / "text.pt").write_text("hello, I am a text file\n")
+    (root / "empty.pt").write_bytes(b"")
+    (root / "bad.safetensors").write_bytes(b"garbage")
+    (root / "notes.txt").write_text("not a checkpoint")
+    torch.save({"ema": state, "extra": fractions.Fraction(1, 3)}, root / "foreign.pt")  # a class torch does not allow
+    (root / "folder").mkdir()
+    (root / "other").mkdir()
+    (root / "other" / "config.json").write_text('{"_class_name": "UNet2DModel"}')
+    (root / "brokenjson").mkdir()
+    (root / "brokenjson" / "config.json").write_text("{")
+    return root
+
+
+FORMATS = r"Expected a \.pt/\.pth torch checkpoint .*\.safetensors.*diffusers.*Hub id"
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        # Reproductions: text, empty and truncated files gave KeyError / EOFError / RuntimeError tracebacks.
+        (["--checkpoint", "{in}/text.pt"], rf"text\.pt is not a readable torch checkpoint.*{FORMATS}"),
+        (["--checkpoint", "{in}/empty.pt"], rf"empty\.pt is empty \(0 bytes\)\. {FORMATS}"),
+        (["--checkpoint", "{in}/truncated.pt"], rf"truncated\.pt is not a readable torch checkpoint \(truncated.*{FORMATS}"),
+        (["--checkpoint", "{in}/bad.safetensors"], rf"bad\.safetensors is not a readable \.safetensors file.*{FORMATS}"),
+        (["--checkpoint", "{in}/notes.txt"], rf"notes\.txt is not a readable torch checkpoint.*{FORMATS}"),
+        (["--checkpoint", "{in}/folder"], rf"folder is a folder without config\.json\. {FORMATS}"),
+        (["--checkpoint", "{in}/other"], r"describes a 'UNet2DModel', not a DiTTransformer2DModel"),
+        (["--checkpoint", "{in}/brokenjson"], r"config\.json is not valid JSON"),
+        # Missing paths are missing files, never Hub ids (the relative one used to be tried on the Hub).
+        (["--checkpoint", "checkpoints/missing-7000000.pt"], r"Checkpoint file checkpoints/missing-7000000\.pt does not exist"),
+        (["--checkpoint", "./missing"], r"Checkpoint file \./missing does not exist"),
+        (["--checkpoint", "missing.pt"], r"Checkpoint file missing\.pt does not exist"),
+        (["--checkpoint", "{tmp}/a/b/missing"], r"Checkpoint file .*a/b/missing does not exist"),
+        # Only an org/name shape is tried on the Hub (offline in tests).
+        (["--checkpoint", "no-such-org/no-such-model"], r"neither a local path .* nor fetchable from the Hub"),
+        (["--preset", "DiT-Huge/2"], r"--preset: invalid choice"),
+        (["--preset", "DiT-Tiny"], r"(?s)does not match the model built from the preset.*unexpected"),
+        (["--checkpoint", "{in}/foreign.pt"], r"foreign\.pt is a pickle holding fractions\.Fraction, not only tensors"),
+        (["--weights", "best"], r"--weights: invalid choice"),
+        (["--weights", "model"], r"has no 'model' weights.*--weights"),
+        (["--sample-size", "0"], r"--sample-size \(sample_size\) must be an int >= 1, got 0"),
+        (["--sample-size", "-8"], r"--sample-size \(sample_size\) must be an int >= 1, got -8"),
+        (["--sample-size", "10"], r"--sample-size \(sample_size\) 10 is not a multiple of MoH-DiT-Tiny's patch size 4"),
+        (["--sample-size", "16"], r"wrong shape.*pos_embed"),
+        (["--sample-size", "nan"], r"--sample-size: invalid int value"),
+        (["--num-classes", "0"], r"--num-classes \(num_classes\) must be an int >= 1, got 0"),
+        (["--num-classes", "-3"], r"--num-classes \(num_classes\) must be an int >= 1"),
+        (["--num-classes", "5"], r"wrong shape.*y_embedder"),
+        # --output: a file, a path under a file, a non-empty folder without --overwrite.
+        (["--output", "{tmp}/file.txt"], r"Output .*file\.txt is a file; --output .*must be a folder path"),
+        (["--output", "{tmp}/file.txt", "--overwrite"], r"file\.txt is a file"),
+        (["--output", "{tmp}/file.txt/model"], r"lies under .*file\.txt, which is a file"),
+        (["--output", "{tmp}/full"], r"not empty; choose another or pass --overwrite"),
+    ],
+)
+def test_script_refuses_bad_input(argv, match, inputs, tmp_path, refuses):
+    (tmp_path / "file.txt").write_text("mine")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    base = {"--checkpoint": "{in}/ckpt.pt", "--preset": "MoH-DiT-Tiny", "--output": "{tmp}/out"}
+    for flag in base:
+        if flag in argv:
+            base[flag] = argv[argv.index(flag) + 1]
+    rest = [a for i, a in enumerate(argv) if a not in base and (i == 0 or argv[i - 1] not in base)]
+    full = [x for flag, value in base.items() for x in (flag, value)] + rest
+    fill = lambda a: a.replace("{in}", str(inputs)).replace("{tmp}", str(tmp_path))
+    refuses("convert_checkpoint", [fill(a) for a in full], match)
+
+
+def test_valid_conversion_through_the_cli_in_process(inputs, tmp_path, load_script, capsys):
+    # The table's base command is valid: only the flag under test makes it fail.
+    script = load_script("convert_checkpoint")
+    argv = ["--checkpoint", str(inputs / "ckpt.pt"), "--preset", "MoH-DiT-Tiny", "--output", str(tmp_path / "out")]
+    assert script.cli(argv) == 0
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert script.cli(argv) == 1 and "--overwrite" in capsys.readouterr().err
+    assert script.cli(argv + ["--overwrite"]) == 0
+
+
+def test_hub_ids_are_only_org_name():
+    from moh_dit.convert import _is_hub_id
+
+    assert _is_hub_id("facebook/DiT-XL-2-256")
+    for path in ("checkpoints/7000000.pt", "./a/b", "a/b/c", "/abs/x", "~/x/y", "x", "a/b.safetensors", "/x"):
+        assert not _is_hub_id(path), path
