@@ -52,9 +52,14 @@ __all__ = [
     "load_class_index",
     "load_image",
     "image_to_tensor",
+    "read_image_size",
+    "scan_image_files",
+    "to_rgb",
     "write_class_index",
 ]
 
+# The one list of image file extensions of the package (training, latent extraction and
+# evaluation folders all use it), compared case-insensitively.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 ON_CORRUPT = ("error", "skip")
 
@@ -105,14 +110,65 @@ def load_class_index(path: str | os.PathLike) -> dict[str, int]:
         return {str(k): int(v) for k, v in json.load(f).items()}
 
 
+def scan_image_files(root: str | os.PathLike) -> list[str]:
+    """Every image file under ``root`` (recursive), sorted by path relative to ``root``.
+
+    The one folder scan of the package (ImageFolder classes, latent extraction, evaluation
+    image folders). An image is a file whose name ends with one of :data:`IMG_EXTENSIONS`
+    (any case); names starting with "." (hidden files and folders) are ignored.
+
+    Links to folders are followed -- datasets assembled from symlinks to folders elsewhere
+    are common -- but a folder is entered at most once: a link to a folder already visited
+    (a loop such as ``a/self -> .``, a link to an ancestor, or a second link to the same
+    folder) is skipped, so no image is listed twice through folder links. Folders are
+    compared by ``(st_dev, st_ino)`` and walked in sorted order, so when two paths lead to one
+    folder the first in that order is the one listed. Links to files are listed as they are
+    (a dangling one is listed and fails, naming itself, when it is read). A folder that cannot
+    be listed raises ValueError rather than being skipped silently.
+    """
+    root_str = os.fspath(root)
+    if not os.path.isdir(root_str):
+        raise ValueError(f"{root_str!r} does not exist or is not a directory")
+
+    def refuse(error: OSError) -> None:
+        raise ValueError(f"cannot list folder {error.filename!r}: {error.strerror or error}; fix its permissions")
+
+    root_stat = os.stat(root_str)
+    visited = {(root_stat.st_dev, root_stat.st_ino)}
+    found: list[tuple[str, str]] = []
+    for dirpath, dirnames, filenames in os.walk(root_str, followlinks=True, onerror=refuse):
+        kept = []
+        for name in sorted(dirnames):
+            if name.startswith("."):
+                continue
+            try:
+                st = os.stat(os.path.join(dirpath, name))
+            except OSError:  # a dangling link that os.walk listed as a folder: nothing to scan
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key not in visited:
+                visited.add(key)
+                kept.append(name)
+        dirnames[:] = kept  # os.walk descends only into these, in this order
+        rel_dir = os.path.relpath(dirpath, root_str)
+        for name in filenames:
+            if not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS):
+                rel = name if rel_dir == "." else os.path.join(rel_dir, name)
+                found.append((Path(rel).as_posix(), os.path.join(dirpath, name)))
+    found.sort()
+    return [path for _, path in found]
+
+
 def find_image_folder(root: str | os.PathLike) -> tuple[list[str], dict[str, int], list[tuple[str, int]]]:
     """Scan an ImageFolder tree: ``root/<class>/**/<image>``.
 
     Returns ``(classes, class_to_idx, samples)`` with classes sorted by name (labels 0..K-1
     in that order, as torchvision's ImageFolder) and ``samples`` a sorted list of
-    ``(path, label)``. Hidden folders and files (names starting with ".") are ignored.
-    Raises ValueError, naming the problem, when the root is missing, has no class
-    folders, or a class folder holds no image -- before any image is decoded.
+    ``(path, label)``. Hidden folders and files (names starting with ".") are ignored. Each
+    class folder is scanned with :func:`scan_image_files` (links to folders followed, no
+    folder entered twice within a class). Raises ValueError, naming the problem, when the
+    root is missing, has no class folders, or a class folder holds no image -- before any
+    image is decoded.
     """
     root = Path(root)
     if not root.is_dir():
@@ -127,15 +183,10 @@ def find_image_folder(root: str | os.PathLike) -> tuple[list[str], dict[str, int
     samples: list[tuple[str, int]] = []
     empty: list[str] = []
     for name in classes:
-        found = []
-        for dirpath, dirnames, filenames in os.walk(root / name, followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            for fname in sorted(filenames):
-                if not fname.startswith(".") and fname.lower().endswith(IMG_EXTENSIONS):
-                    found.append(os.path.join(dirpath, fname))
+        found = scan_image_files(root / name)
         if not found:
             empty.append(name)
-        samples.extend((path, class_to_idx[name]) for path in sorted(found))
+        samples.extend((path, class_to_idx[name]) for path in found)
     if empty:
         shown = ", ".join(repr(c) for c in empty[:5]) + (" ..." if len(empty) > 5 else "")
         raise ValueError(
@@ -155,17 +206,104 @@ class CorruptImageError(OSError):
     """An image file that cannot be decoded; the message names the file."""
 
 
+_MAX_16BIT = 65535.0
+_MAX_INT32 = float(2**31 - 1)
+
+
+def _png_bit_depth(path: str | os.PathLike) -> int | None:
+    """The bit depth in a PNG's IHDR chunk (byte 24 of the file), or None if not a PNG."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(26)
+    except OSError:
+        return None
+    if len(head) < 26 or head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
+        return None
+    return head[24]
+
+
+def _grey_to_rgb(values: np.ndarray, full_scale: float) -> Image.Image:
+    """Grey values in [0, full_scale] -> 8-bit RGB (scaled, rounded; out-of-range clipped, NaN -> 0)."""
+    scaled = np.nan_to_num(values.astype(np.float64), nan=0.0, posinf=full_scale, neginf=0.0) * (255.0 / full_scale)
+    grey = np.clip(np.rint(scaled), 0, 255).astype(np.uint8)
+    return Image.fromarray(grey).convert("RGB")  # 2-D uint8 -> mode L
+
+
+def to_rgb(img: Image.Image, path: str | os.PathLike | None = None) -> Image.Image:
+    """An opened image as an 8-bit RGB PIL image, keeping its values; see :func:`load_image`.
+
+    ``path`` (the file the image came from) lets a mode-``I`` PNG be recognised by its bit depth.
+    """
+    mode = img.mode
+    if mode.startswith("I;16"):
+        # I;16, I;16L, I;16B (and I;16N/I;16S): 16-bit grey. convert("RGB") clips every value
+        # above 255 to white, so scale by the type's range instead.
+        return _grey_to_rgb(np.asarray(img), _MAX_16BIT)
+    if mode == "I":
+        values = np.asarray(img)
+        depth = _png_bit_depth(path) if path is not None and img.format == "PNG" else None
+        if depth is not None:
+            # A PNG stores at most 16 bits per sample; Pillow opens 16-bit grey PNGs as "I" or
+            # "I;16" depending on its version. Its IHDR says which range the values have.
+            return _grey_to_rgb(values, float(2**depth - 1))
+        if values.size == 0 or (values.min() >= 0 and values.max() <= _MAX_16BIT):
+            return _grey_to_rgb(values, _MAX_16BIT)
+        return _grey_to_rgb(values, _MAX_INT32)
+    if mode == "F":
+        values = np.asarray(img)
+        finite = values[np.isfinite(values)]
+        return _grey_to_rgb(values, 1.0 if finite.size == 0 or finite.max() <= 1.0 else _MAX_16BIT)
+    if mode == "PA" or (mode == "P" and "transparency" in img.info):
+        # Through RGBA so the palette and its transparency are read as Pillow intends; the
+        # alpha is then dropped like that of any other image (see load_image).
+        return img.convert("RGBA").convert("RGB")
+    # RGB, RGBA, L, LA, 1, P, CMYK, YCbCr, ...: Pillow's conversion. For RGBA/LA it drops the
+    # alpha channel and keeps the stored colours, exactly what DiT's and ADM's
+    # Image.open(...).convert("RGB") does, so 8-bit images give the same pixels (and FID) as there.
+    return img.convert("RGB")
+
+
 def load_image(path: str | os.PathLike) -> Image.Image:
-    """Open and fully decode an image as RGB, or raise CorruptImageError naming the file."""
+    """Open and fully decode an image as 8-bit RGB, or raise CorruptImageError naming the file.
+
+    The one image loader of training, latent extraction and evaluation. Values are kept:
+
+    * 8-bit images are converted by Pillow's ``convert("RGB")``, as DiT and ADM do: ``L`` and
+      ``1`` (bilevel) become grey, ``P`` (palette) its colours, ``CMYK`` Pillow's conversion.
+    * Alpha (``RGBA``, ``LA``, ``PA``, palette transparency) is dropped: the stored colours are
+      kept, not composited over a background (as ``convert("RGB")`` in DiT/ADM).
+    * 16-bit grey (``I;16``, ``I;16L``, ``I;16B``) is scaled by its type's range,
+      ``round(v * 255 / 65535)`` (32768 -> 128, 65535 -> 255) -- not by the image's own
+      min/max, so a dark image stays dark. ``convert("RGB")`` would clip it to white.
+    * 32-bit integer (``I``): from a PNG (Pillow opens 16-bit grey PNGs as ``I`` or ``I;16``
+      depending on its version) by the bit depth in the PNG header; otherwise values within
+      [0, 65535] are taken as 16-bit, and any other as the non-negative int32 range
+      [0, 2^31 - 1] (negative values clip to 0).
+    * 32-bit float (``F``): [0, 1] -> [0, 255] when the largest finite value is <= 1, else
+      as 16-bit ([0, 65535]); values outside clip, NaN becomes 0.
+    * 16-bit RGB/RGBA PNGs are read by Pillow as 8-bit ``RGB``/``RGBA`` (the high byte of each
+      sample), which is kept.
+
+    Multi-frame files give their first frame; EXIF orientation is not applied (as in DiT/ADM).
+    """
     try:
         with Image.open(path) as img:
-            # convert() forces the full decode, so truncated files fail here, not later.
-            return img.convert("RGB")
+            # the conversion forces the full decode, so truncated files fail here, not later.
+            return to_rgb(img, path)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
         raise CorruptImageError(
             f"cannot read image {str(path)!r}: {type(err).__name__}: {err}. Replace or delete the "
-            f"file, or pass on_corrupt='skip' to leave such images out."
+            f"file, or pass --on-corrupt skip (on_corrupt='skip' in Python) to leave such images out."
         ) from err
+
+
+def read_image_size(path: str | os.PathLike) -> tuple[int, int]:
+    """``(width, height)`` of an image from its header, without decoding it; CorruptImageError if unreadable."""
+    try:
+        with Image.open(path) as img:
+            return img.size
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        raise CorruptImageError(f"cannot read image {str(path)!r}: {type(err).__name__}: {err}") from err
 
 
 def center_crop_arr(pil_image: Image.Image, image_size: int) -> Image.Image:

@@ -1,4 +1,5 @@
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -194,3 +195,208 @@ def test_dataloader_with_workers_matches_direct_access(folder):
     for j, key in enumerate(keys):
         image, label = ds[key]
         assert torch.equal(images[j], image) and labels[j] == label
+
+
+# --------------------------------------------------------------------------------------
+# Image modes: values are kept (16-bit, float, alpha, palette, CMYK, bilevel)
+# --------------------------------------------------------------------------------------
+
+
+def _png_16bit(path, values, colour_type):
+    """A 16-bit PNG written by hand (Pillow cannot write 16-bit RGB): grey 0, RGB 2, grey+alpha 4, RGBA 6."""
+    import struct
+    import zlib
+
+    values = np.asarray(values, dtype=">u2")
+    h, w = values.shape[:2]
+    raw = b"".join(b"\x00" + values[y].tobytes() for y in range(h))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", w, h, 16, colour_type, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return path
+
+
+GREY_16 = np.array([[0, 32768], [65535, 257 * 100]], dtype=np.uint16)  # -> 0, 128, 255, 100
+
+
+def _grey_of(path):
+    from moh_dit.data import load_image
+
+    image = load_image(path)
+    assert image.mode == "RGB"
+    arr = np.asarray(image).astype(int)
+    assert (arr == arr[..., :1]).all()  # grey stays grey
+    return arr[..., 0]
+
+
+def test_16bit_grey_png_keeps_its_values(tmp_path):
+    # convert("RGB") clips every value above 255: 3 of these 4 pixels would be white.
+    path = tmp_path / "grey16.png"
+    Image.fromarray(GREY_16).save(path)
+    with Image.open(path) as img:
+        assert img.mode in ("I;16", "I")
+    grey = _grey_of(path)
+    assert abs(grey[0, 1] - 128) <= 1 and grey[0, 0] == 0 and grey[1, 0] == 255 and grey[1, 1] == 100
+    # written by another encoder (the hand-made one): the same values
+    np.testing.assert_array_equal(_grey_of(_png_16bit(tmp_path / "hand.png", GREY_16, 0)), grey)
+
+
+def test_training_on_16bit_images_is_not_white(tmp_path):
+    """Reproduction: a mid-grey 16-bit PNG dataset trained as pure white (+1.0 everywhere)."""
+    for cls in ("a", "b"):
+        (tmp_path / "data" / cls).mkdir(parents=True)
+        Image.fromarray(np.full((16, 16), 32768, np.uint16)).save(tmp_path / "data" / cls / "x.png")
+    ds = ImageFolderDataset(tmp_path / "data", 8, random_flip=False)
+    image, _ = ds[0]
+    expected = 128 / 255 * 2 - 1  # 0.0039: mid-grey
+    assert torch.allclose(image, torch.full_like(image, expected), atol=2.5 / 255)
+
+
+@pytest.mark.parametrize(
+    "mode, values, expected",
+    [
+        ("I;16B", GREY_16, [[0, 128], [255, 100]]),
+        ("I;16", GREY_16, [[0, 128], [255, 100]]),
+        ("I", GREY_16.astype(np.int32), [[0, 128], [255, 100]]),  # 32-bit int within [0, 65535]: 16-bit
+        ("I", np.array([[0, 2**30], [2**31 - 1, -5]], np.int32), [[0, 128], [255, 0]]),  # beyond: int32 range
+        ("F", np.array([[0.0, 0.5], [1.0, -0.2]], np.float32), [[0, 128], [255, 0]]),  # max <= 1: [0, 1]
+        ("F", np.array([[0.0, 32768.0], [65535.0, 1e9]], np.float32), [[0, 128], [255, 255]]),  # else 16-bit
+        ("F", np.array([[np.nan, 0.5], [1.0, 0.0]], np.float32), [[0, 128], [255, 0]]),  # NaN -> 0
+    ],
+)
+def test_high_bit_depth_modes_scale_by_their_type_range(tmp_path, mode, values, expected):
+    path = tmp_path / "image.tif"
+    if mode == "I;16B":
+        img = Image.frombytes("I;16B", values.shape[::-1], values.astype(">u2").tobytes())
+    else:
+        img = Image.fromarray(values)
+    img.save(path)
+    with Image.open(path) as reopened:
+        assert reopened.mode == mode
+    np.testing.assert_array_equal(_grey_of(path), expected)
+
+
+def test_mode_I_png_uses_the_png_bit_depth(tmp_path, monkeypatch):
+    """Older Pillow opens 16-bit grey PNGs as mode "I"; the PNG header says they are 16-bit."""
+    import moh_dit.data as data_mod
+
+    path = tmp_path / "grey16.png"
+    Image.fromarray(np.array([[300, 32768]], np.uint16)).save(path)  # 300 alone would look 8-bit-ish
+    real_open = Image.open
+
+    def open_as_mode_i(fp, *args, **kwargs):
+        img = real_open(fp, *args, **kwargs)
+        as_i = img.convert("I")
+        as_i.format = img.format
+        return as_i
+
+    monkeypatch.setattr(data_mod.Image, "open", open_as_mode_i)
+    np.testing.assert_array_equal(_grey_of(path), [[1, 128]])
+
+
+def test_16bit_colour_pngs_are_read_as_8bit_by_pillow(tmp_path):
+    rgb = np.zeros((1, 2, 3), np.uint16)
+    rgb[0, 0] = (32768, 0, 65535)
+    rgb[0, 1] = (257 * 10, 257 * 20, 257 * 30)
+    from moh_dit.data import load_image
+
+    np.testing.assert_array_equal(np.asarray(load_image(_png_16bit(tmp_path / "rgb.png", rgb, 2))), [[[128, 0, 255], [10, 20, 30]]])
+    rgba = np.concatenate([rgb, np.zeros((1, 2, 1), np.uint16)], axis=-1)  # fully transparent
+    np.testing.assert_array_equal(np.asarray(load_image(_png_16bit(tmp_path / "rgba.png", rgba, 6))), [[[128, 0, 255], [10, 20, 30]]])
+
+
+def test_8bit_modes_match_convert_rgb_and_alpha_is_dropped(tmp_path):
+    """8-bit images give exactly DiT's/ADM's Image.open(...).convert("RGB") pixels (so FID stays comparable):
+    alpha dropped with the stored colour kept, palette colours, CMYK converted, bilevel and L grey."""
+    from moh_dit.data import load_image
+
+    palette = Image.new("P", (2, 1))
+    palette.putpalette([200, 10, 20, 5, 6, 7])
+    palette.putpixel((1, 0), 1)
+    transparent_palette = palette.copy()
+    transparent_palette.info["transparency"] = 0
+    pa = Image.new("PA", (2, 1))
+    pa.putpalette([30, 40, 50] * 256)
+    cases = {
+        "rgba.png": (Image.new("RGBA", (2, 1), (200, 100, 50, 0)), [200, 100, 50]),
+        "la.png": (Image.new("LA", (2, 1), (90, 10)), [90, 90, 90]),
+        "p.png": (palette, [200, 10, 20]),
+        "p_transparent.png": (transparent_palette, [200, 10, 20]),
+        "pa.webp": (pa, [30, 40, 50]),
+        "cmyk.jpg": (Image.new("CMYK", (2, 1), (0, 255, 255, 0)), None),
+        "one.png": (Image.new("1", (2, 1), 1), [255, 255, 255]),
+        "l.png": (Image.new("L", (2, 1), 77), [77, 77, 77]),
+    }
+    for name, (img, first_pixel) in cases.items():
+        path = tmp_path / name
+        if name.endswith(".webp"):  # PA cannot be saved as such; keep the PA image in memory
+            from moh_dit.data import to_rgb
+
+            loaded = to_rgb(img)
+            assert np.asarray(loaded)[0, 0].tolist() == first_pixel
+            continue
+        img.save(path, **({"quality": 100} if name.endswith(".jpg") else {}))
+        loaded = load_image(path)
+        with Image.open(path) as reference:
+            np.testing.assert_array_equal(np.asarray(loaded), np.asarray(reference.convert("RGB")), err_msg=name)
+        assert loaded.mode == "RGB" and loaded.size == (2, 1)
+        if first_pixel is not None:
+            assert np.asarray(loaded)[0, 0].tolist() == first_pixel, name
+    cmyk = np.asarray(load_image(tmp_path / "cmyk.jpg"))[0, 0]
+    assert cmyk[0] > 200 and cmyk[1] < 60 and cmyk[2] < 60  # CMYK (0, 255, 255, 0) is red
+
+
+# --------------------------------------------------------------------------------------
+# Folder scans: links to folders followed, no folder entered twice
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "link, target",
+    [
+        ("a/self", "."),  # the reported loop: every image was listed once per loop turn (~40 times)
+        ("a/sub/up", ".."),  # a link to an ancestor
+        ("a/twin", "sub"),  # a second path to a folder already in the tree
+    ],
+)
+def test_folder_links_never_list_an_image_twice(tmp_path, link, target):
+    root = tmp_path / "data"
+    _write_png(root / "a" / "x.png")
+    _write_png(root / "a" / "sub" / "y.png")
+    _write_png(root / "b" / "z.png")
+    (root / link).symlink_to(target, target_is_directory=True)
+    ds = ImageFolderDataset(root, 8)
+    assert [os.path.relpath(p, root) for p, _ in ds.samples] == ["a/sub/y.png", "a/x.png", "b/z.png"]
+    assert ds.targets == [0, 0, 1]
+
+
+def test_links_to_folders_outside_the_tree_are_followed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    _write_png(elsewhere / "e1.png")
+    _write_png(elsewhere / "deeper" / "e2.png")
+    root = tmp_path / "data"
+    _write_png(root / "cat" / "c.png")
+    (root / "dog").mkdir(parents=True)
+    (root / "dog" / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (root / "dog" / "linked_again").symlink_to(elsewhere, target_is_directory=True)
+    (root / "dog" / "dangling").symlink_to(tmp_path / "nowhere", target_is_directory=True)
+    from moh_dit.data import scan_image_files
+
+    ds = ImageFolderDataset(root, 8)
+    assert [os.path.relpath(p, root) for p, _ in ds.samples] == [
+        "cat/c.png", "dog/linked/deeper/e2.png", "dog/linked/e1.png"
+    ]
+    assert [os.path.relpath(p, root / "dog") for p in scan_image_files(root / "dog")] == [
+        "linked/deeper/e2.png", "linked/e1.png"
+    ]
+
+
+def test_one_extension_list_for_the_package():
+    import moh_dit.evaluation as ev
+    from moh_dit import data
+
+    assert not hasattr(ev, "_IMAGE_EXTENSIONS")
+    assert ev.IMG_EXTENSIONS is data.IMG_EXTENSIONS
