@@ -53,6 +53,7 @@ from .io_utils import write_bytes_atomic, write_json_atomic
 from .pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, MoHDiTPipeline
 from .sampling import (
     SampleSettings,
+    check_settings,
     generate_batch,
     load_pipeline,
     png_path,
@@ -74,6 +75,9 @@ __all__ = [
     "attention_flops",
     "transformer_calls_per_image",
     "plan_ratios",
+    "check_plans",
+    "check_device",
+    "check_folder_path",
     "run_sweep",
     "write_sweep",
     "plot_fid_vs_ratio",
@@ -116,7 +120,7 @@ def parse_ratios(text: str | Sequence[float | str]) -> list[float | str]:
                 ) from None
         value = float(item)
         if not (math.isfinite(value) and 0.0 < value <= 1.0):
-            raise ValueError(f"head activation ratio {value} must be in (0, 1].")
+            raise ValueError(f"head activation ratio {value} must be in (0, 1] (--ratios takes e.g. trained,1.0,0.75,min).")
         ratios.append(value)
     if not ratios:
         raise ValueError(f"no ratios given ({text!r}); e.g. --ratios trained,1.0,0.75,min")
@@ -360,6 +364,50 @@ def _resolve_extractor(
     return load_inception(inception_weights, download=download)
 
 
+def check_plans(pipe: MoHDiTPipeline, plans: Sequence[RatioPlan], settings: SampleSettings) -> None:
+    """The model's limits on a sweep, before any work: the step count within its diffusion
+    steps, and the pipeline's own rules (scheduler / model agreement, ...) at every ratio."""
+    train_steps = int(getattr(pipe.scheduler.config, "num_train_timesteps", 1000))
+    if settings.num_inference_steps > train_steps:
+        raise ValueError(
+            f"num_inference_steps (--num-inference-steps) {settings.num_inference_steps} is more than the "
+            f"{train_steps} diffusion steps the model was trained with; use 1..{train_steps}."
+        )
+    for plan in plans:
+        check_settings(pipe, dataclasses.replace(settings, head_activation_ratio=plan.realised_ratio))
+
+
+def check_device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device`` that exists here; ValueError naming it otherwise."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device (--device) {device!r} is not a torch device; use cpu, cuda or cuda:N.") from None
+    if parsed.type == "cpu":
+        return parsed
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device (--device) {device!r} but CUDA is not available; use cpu.")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device (--device) {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s).")
+        return parsed
+    backend = getattr(torch, parsed.type, None)
+    if not (backend is not None and hasattr(backend, "is_available") and backend.is_available()):
+        raise ValueError(f"device (--device) {device!r} is not available here; use cpu or cuda.")
+    return parsed
+
+
+def check_folder_path(path: PathLike, what: str) -> None:
+    """Refuse a folder path that is a file or lies under one, before anything is made."""
+    path = Path(path).expanduser()
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                where = "is a file" if folder == path else f"lies under {folder}, which is a file"
+                raise ValueError(f"{what} {path} {where}; give a folder.")
+            return
+
+
 def _ratio_dir(output_dir: Path, realised: float) -> Path:
     return output_dir / f"ratio_{realised:.4f}"
 
@@ -419,20 +467,21 @@ def run_sweep(
                         ("num_inference_steps", num_inference_steps)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}.")
-    if not guidance_scale >= 1.0:
-        raise ValueError(f"guidance_scale={guidance_scale} must be >= 1 (1 = no guidance).")
+    if not (math.isfinite(guidance_scale) and guidance_scale >= 1.0):
+        raise ValueError(f"guidance_scale={guidance_scale} must be a finite number >= 1 (1 = no guidance).")
     if guidance_channels not in GUIDANCE_CHANNELS:
         raise ValueError(f"guidance_channels={guidance_channels!r}; choose one of {GUIDANCE_CHANNELS}.")
     if attention not in ATTENTION_PATHS:
         raise ValueError(f"attention={attention!r}; choose one of {list(ATTENTION_PATHS)}.")
     if save_samples and output_dir is None:
         raise ValueError("save_samples=True needs an output_dir.")
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} but CUDA is not available; use device='cpu'.")
+    check_device(device)
     if not isinstance(reference, ReferenceStatistics) and not Path(reference).exists():
         raise FileNotFoundError(f"reference not found: {reference}")
-    if output_dir is not None and Path(output_dir).exists() and not Path(output_dir).is_dir():
-        raise ValueError(f"output_dir {output_dir} exists and is not a folder.")
+    if output_dir is not None:
+        check_folder_path(output_dir, "output_dir (--output)")
+    if cache_dir is not None and use_cache:
+        check_folder_path(cache_dir, "cache_dir (--cache-dir)")
     settings = SampleSettings(num_samples=num_samples, guidance_scale=guidance_scale,
                               guidance_channels=guidance_channels, num_inference_steps=num_inference_steps,
                               seed=seed, class_labels="balanced")
@@ -445,11 +494,12 @@ def run_sweep(
         model_label = str(Path(model).resolve())
     transformer = pipe.transformer
     plans = plan_ratios(transformer, ratios)
+    check_plans(pipe, plans, settings)
     if save_samples:
         for plan in plans:
             folder = _ratio_dir(Path(output_dir), plan.realised_ratio) / "samples"
             if folder.is_dir() and any(folder.glob("*.png")):
-                raise ValueError(f"{folder} already holds samples; use a new output_dir or delete it.")
+                raise ValueError(f"{folder} already holds samples; use a new --output (output_dir) or delete it.")
 
     extractor = _resolve_extractor(extractor, inception_weights, random_inception_seed, download)
     identity = extractor_identity(extractor)

@@ -19,18 +19,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import zipfile
+from pathlib import Path
 
 import torch
 
 from moh_dit.cli import run_cli
-from moh_dit.evaluation import INCEPTION_WEIGHTS_ENV
-from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS
-from moh_dit.sampling import DTYPES, load_pipeline
+from moh_dit.evaluation import ADM_K, INCEPTION_WEIGHTS_ENV
+from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, SEED_RANGE
+from moh_dit.sampling import DTYPES, SampleSettings, load_pipeline
 from moh_dit.sweep import (
     ATTENTION_PATHS,
     DEFAULT_RATIOS,
     attention_flops,
+    check_device,
+    check_plans,
+    check_folder_path,
     parse_ratios,
     plan_ratios,
     run_sweep,
@@ -77,11 +83,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag that can be checked without the model, in the CLI's spelling, before anything
+    is loaded or written; the model's limits (ratio range, steps) are checked by run_sweep
+    before the first image."""
+    if args.num_samples < ADM_K + 1:
+        raise ValueError(f"--num-samples must be >= {ADM_K + 1} (precision/recall use k={ADM_K}), got {args.num_samples}.")
+    for flag, value in (("--batch-size", args.batch_size), ("--eval-batch-size", args.eval_batch_size),
+                        ("--num-inference-steps", args.num_inference_steps)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}.")
+    if not (math.isfinite(args.guidance_scale) and args.guidance_scale >= 1):
+        raise ValueError(f"--guidance-scale must be a finite number >= 1 (1 = no guidance), got {args.guidance_scale}.")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0 (image i uses seed + i), got {args.seed}.")
+    if args.seed + args.num_samples - 1 > SEED_RANGE[1]:
+        raise ValueError(f"--seed {args.seed} + --num-samples {args.num_samples} - 1 exceeds {SEED_RANGE[1]}, the "
+                         "largest seed torch takes; use a smaller --seed.")
+    if args.random_inception_seed is not None and not 0 <= args.random_inception_seed <= SEED_RANGE[1]:
+        raise ValueError(f"--random-inception-seed must be in [0, {SEED_RANGE[1]}], got {args.random_inception_seed}.")
+    parse_ratios(args.ratios)
+    check_device(args.device)
+    model = Path(args.model).expanduser()
+    if not model.exists():
+        raise FileNotFoundError(f"--model {args.model} does not exist; give a pipeline folder or a save_pretrained "
+                                "transformer folder.")
+    if not model.is_dir():
+        raise ValueError(f"--model {args.model} is a file; give a pipeline folder or a save_pretrained transformer folder.")
+    vae = args.vae
+    if vae is not None and vae.lower() != "none" and (vae.startswith((".", "/", "~")) or vae.count("/") != 1) \
+            and not Path(vae).expanduser().is_dir():
+        what = "is not a folder" if Path(vae).expanduser().exists() else "does not exist"
+        raise FileNotFoundError(f"--vae {vae} {what}; give an AutoencoderKL folder, a Hub id (org/name) or 'none'.")
+    ref = Path(args.ref).expanduser()
+    if not ref.exists():
+        raise FileNotFoundError(f"--ref {args.ref} does not exist; give an ADM reference batch .npz, an image .npz "
+                                "or an image folder.")
+    if ref.is_file() and not zipfile.is_zipfile(ref):
+        raise ValueError(f"--ref {args.ref} is not an .npz file (nor a folder); give an ADM reference batch .npz, an "
+                         "image .npz or an image folder.")
+    if args.inception_weights is not None and not Path(args.inception_weights).expanduser().is_file():
+        what = "is a folder" if Path(args.inception_weights).expanduser().is_dir() else "does not exist"
+        raise FileNotFoundError(f"--inception-weights {args.inception_weights} {what}; give the weights file "
+                                "(weights-inception-2015-12-05-6726825d.pth).")
+    check_folder_path(args.output, "--output")
+    if args.cache_dir is not None and not args.no_cache:
+        check_folder_path(args.cache_dir, "--cache-dir")
+
+
 def dry_run(args: argparse.Namespace) -> dict:
     pipe = load_pipeline(args.model, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype)
     calls = transformer_calls_per_image(args.num_inference_steps, args.guidance_scale)
+    planned = plan_ratios(pipe.transformer, parse_ratios(args.ratios))
+    check_plans(pipe, planned, SampleSettings(
+        num_samples=args.num_samples, guidance_scale=args.guidance_scale, guidance_channels=args.guidance_channels,
+        num_inference_steps=args.num_inference_steps, seed=args.seed))
     plans = []
-    for plan in plan_ratios(pipe.transformer, parse_ratios(args.ratios)):
+    for plan in planned:
         sparse, dense = attention_flops(pipe.transformer, plan.top_k_per_layer)
         plans.append(dict(ratio=plan.label, realised_ratio=plan.realised_ratio, top_k_per_layer=plan.top_k_per_layer,
                           attention_flops_per_image=sparse * calls, attention_flop_ratio=sparse / dense))
@@ -91,6 +149,7 @@ def dry_run(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace):
+    check_args(args)
     if args.dry_run:
         return dry_run(args)
     result = run_sweep(

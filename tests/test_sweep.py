@@ -271,3 +271,93 @@ def test_script_with_random_inception(model_dir, dense_dir, reference_dir, tmp_p
             "--random-inception-seed", "0"]
     assert script.cli(argv) == 1
     assert "dense DiT" in capsys.readouterr().err and not bad.exists()
+
+
+# --------------------------------------------------------------------------------------
+# scripts/sweep_head_ratio.py refuses bad flags before any work
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sweep_inputs(tmp_path_factory):
+    """Files the bad-flag table points at, outside each test's tmp_path."""
+    root = tmp_path_factory.mktemp("sweep_inputs")
+    (root / "notes.txt").write_text("not an npz")
+    np.savez(root / "other.npz", something=np.zeros(3))
+    (root / "empty").mkdir()
+    (root / "folder").mkdir()
+    return root
+
+
+REMOVE = None  # a row's value that drops the base command's flag
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"--num-samples": "3"}, r"--num-samples must be >= 4 \(precision/recall use k=3\), got 3"),
+        ({"--num-samples": "0"}, r"--num-samples must be >= 4"),
+        ({"--num-samples": "-1"}, r"--num-samples must be >= 4"),
+        ({"--num-samples": "many"}, r"--num-samples: invalid int value"),
+        ({"--batch-size": "0"}, r"--batch-size must be >= 1, got 0"),
+        ({"--batch-size": "-2"}, r"--batch-size must be >= 1, got -2"),
+        ({"--eval-batch-size": "0"}, r"--eval-batch-size must be >= 1, got 0"),
+        ({"--num-inference-steps": "0"}, r"--num-inference-steps must be >= 1, got 0"),
+        ({"--num-inference-steps": "-1"}, r"--num-inference-steps must be >= 1"),
+        ({"--num-inference-steps": "1001"}, r"--num-inference-steps\) 1001 is more than the 1000 diffusion steps"),
+        ({"--guidance-scale": "0.5"}, r"--guidance-scale must be a finite number >= 1.*got 0\.5"),
+        ({"--guidance-scale": "nan"}, r"--guidance-scale must be a finite number >= 1.*got nan"),
+        ({"--guidance-scale": "inf"}, r"--guidance-scale must be a finite number >= 1.*got inf"),
+        ({"--guidance-channels": "first3"}, r"--guidance-channels: invalid choice"),
+        ({"--seed": "-1"}, r"--seed must be >= 0"),
+        ({"--seed": str(2**64 - 2)}, r"--seed 18446744073709551614 \+ --num-samples 4 - 1 exceeds"),
+        ({"--ratios": "1.5"}, r"head activation ratio 1\.5 .*must be in \(0, 1\]"),
+        ({"--ratios": "0"}, r"head activation ratio 0\.0 .*must be in \(0, 1\]"),
+        ({"--ratios": "nan"}, r"head activation ratio nan .*must be in \(0, 1\]"),
+        ({"--ratios": "-0.5,1.0"}, r"head activation ratio -0\.5 .*must be in \(0, 1\]"),
+        ({"--ratios": "1.0,half"}, r"ratio 'half' is neither a number nor one of"),
+        ({"--ratios": ","}, r"no ratios given"),
+        ({"--ratios": "1.0,0.3"}, r"ratio 0\.3 is outside this model's reachable range \[0\.5000, 1\.0000\]"),
+        ({"--model": "{dense}", "--ratios": "1.0,0.9"}, r"dense DiT"),
+        ({"--random-inception-seed": "-1"}, r"--random-inception-seed must be in \[0, "),
+        ({"--random-inception-seed": REMOVE, "--inception-weights": "{tmp}/missing.pth"},
+         r"--inception-weights .*missing\.pth does not exist"),
+        ({"--random-inception-seed": REMOVE, "--inception-weights": "{in}/folder"}, r"--inception-weights .*folder is a folder"),
+        ({"--inception-weights": "{in}/notes.txt"}, r"not allowed with argument --random-inception-seed"),
+        ({"--device": "gpu0"}, r"--device\) 'gpu0' is not a torch device"),
+        ({"--device": "cuda:99"}, r"--device\) 'cuda:99'"),
+        ({"--device": "meta"}, r"--device\) 'meta' is not available here"),
+        ({"--vae": "missing-vae"}, r"--vae missing-vae does not exist"),
+        ({"--vae": "{in}/notes.txt"}, r"--vae .*notes\.txt is not a folder"),
+        ({"--scheduler": "euler"}, r"--scheduler: invalid choice"),
+        ({"--scheduler": "saved"}, r"transformer folder with no saved scheduler"),
+        ({"--dtype": "float8"}, r"--dtype: invalid choice"),
+        ({"--attention": "flash"}, r"--attention: invalid choice"),
+        ({"--model": "{tmp}/missing"}, r"--model .*missing does not exist"),
+        ({"--model": "{in}/notes.txt"}, r"--model .*notes\.txt is a file"),
+        ({"--model": "{in}/empty"}, r"neither a pipeline folder \(model_index\.json\) nor a transformer folder"),
+        ({"--ref": "{tmp}/missing"}, r"--ref .*missing does not exist"),
+        ({"--ref": "{in}/notes.txt"}, r"--ref .*notes\.txt is not an \.npz file"),
+        ({"--ref": "{in}/other.npz"}, r"other\.npz is neither an ADM reference batch"),
+        ({"--output": "{tmp}/file.txt"}, r"--output .*file\.txt is a file; give a folder"),
+        ({"--output": "{tmp}/file.txt/out"}, r"--output .*out lies under .*file\.txt, which is a file"),
+        ({"--output": "{tmp}/done", "--save-samples": ""}, r"ratio_1\.0000/samples already holds samples; use a new --output"),
+        ({"--no-cache": REMOVE, "--cache-dir": "{tmp}/file.txt"}, r"--cache-dir .*file\.txt is a file"),
+    ],
+)
+def test_script_refuses_bad_flags(changes, match, model_dir, dense_dir, reference_dir, sweep_inputs, tmp_path, refuses):
+    (tmp_path / "file.txt").write_text("mine")
+    (tmp_path / "done" / "ratio_1.0000" / "samples").mkdir(parents=True)
+    (tmp_path / "done" / "ratio_1.0000" / "samples" / "000000.png").write_bytes(b"an earlier sweep's image")
+    base = {"--model": str(model_dir), "--ref": str(reference_dir / "class_0"), "--ratios": "1.0,min",
+            "--num-samples": "4", "--batch-size": "4", "--num-inference-steps": "1", "--guidance-scale": "1",
+            "--random-inception-seed": "0", "--no-cache": "", "--no-download": "", "--device": "cpu",
+            "--output": str(tmp_path / "out")}
+    fill = lambda v: v.replace("{tmp}", str(tmp_path)).replace("{in}", str(sweep_inputs)).replace("{dense}", str(dense_dir))
+    for flag, value in changes.items():
+        if value is REMOVE:
+            base.pop(flag)
+        else:
+            base[flag] = fill(value)
+    argv = [f"{flag}={value}" if value else flag for flag, value in base.items()]  # --ratios=-0.5 is a value
+    refuses("sweep_head_ratio", argv, match)
