@@ -5,6 +5,10 @@ One CPU or GPU:   python scripts/train.py --preset MoH-DiT-Tiny --data-dir demo_
 Many GPUs/nodes:  accelerate launch --multi_gpu --num_processes 8 scripts/train.py --preset MoH-DiT-XL/2-90 \
                       --latents-dir imagenet_latents --output-dir runs/xl --global-batch-size 256
 To resume, run the same command again with --resume latest.
+
+The --output-dir belongs to one run: a second run into it while it trains is refused, and so
+is a new run (no --resume) into a folder that holds one. Checkpoints are safetensors and JSON,
+checked against their recorded SHA-256 before a resume (see docs/training.md).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import sys
 
 from moh_dit.cli import EXPECTED_ERRORS, run_cli
 from moh_dit.presets import PRESETS
-from moh_dit.training import TrainConfig, TrainingDivergedError, train
+from moh_dit.training import TrainConfig, TrainingDivergedError, preflight, train
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,8 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this norm (default: off, as DiT)")
     p.add_argument("--checkpoint-every", type=int, default=50_000)
-    p.add_argument("--checkpoints-total-limit", type=int, default=2, help="keep this many newest checkpoints (0: all)")
-    p.add_argument("--resume", default=None, help="'latest' or a checkpoint folder")
+    p.add_argument("--checkpoints-total-limit", type=int, default=2,
+                   help="keep this many newest checkpoints of this run (0: all; default: %(default)s)")
+    p.add_argument("--resume", default=None,
+                   help="'latest' (the newest intact checkpoint of --output-dir; falls back past damaged ones) "
+                        "or a checkpoint folder")
     p.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no")
     p.add_argument("--no-tf32", action="store_true", help="disable TF32 matmuls on Ampere+ GPUs")
     p.add_argument("--seed", type=int, default=0)
@@ -54,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-every", type=int, default=0, help="save an EMA sample grid every N steps (0: off)")
     p.add_argument("--sample-steps", type=int, default=50, help="DDPM steps of the monitoring grid")
     p.add_argument("--report-to", choices=["tensorboard", "wandb", "none"], default="tensorboard")
-    p.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check everything, print the resolved configuration and exit (writes nothing, takes no lock)")
     return p.parse_args(argv)
 
 
@@ -76,8 +84,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if args.dry_run:
-        cfg.validate()
+        what = preflight(cfg)
         print(json.dumps(cfg.__dict__, indent=2, default=str))
+        print(what, file=sys.stderr)
         return 0
     final = train(cfg)
     print(f"Done. EMA model: {final}")

@@ -2,6 +2,7 @@
 resume after a crash, atomic checkpoints, corrupt images, bad arguments, divergence."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -141,8 +142,9 @@ class _Crash(Exception):
 
 
 def test_resume_is_exact_after_a_crash(tmp_path, data, monkeypatch):
-    """6 steps in one run == 3 steps, a crash in step 4, then --resume latest to step 6."""
-    one = config(tmp_path, data, max_steps=6, checkpoint_every=3, output_dir=str(tmp_path / "one"))
+    """6 steps in one run == 3 steps, a crash in step 5, then --resume latest to step 6; the
+    log holds every step once (the crashed run had logged step 4 after its last checkpoint)."""
+    one = config(tmp_path, data, max_steps=6, checkpoint_every=3, log_every=1, output_dir=str(tmp_path / "one"))
     train(one)
 
     real_update = training.update_ema
@@ -150,28 +152,36 @@ def test_resume_is_exact_after_a_crash(tmp_path, data, monkeypatch):
 
     def crashing_update(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 4:  # after step 4's optimiser update, before its EMA update
+        if calls["n"] == 5:  # after step 5's optimiser update, before its EMA update
             raise _Crash
         return real_update(*args, **kwargs)
 
     monkeypatch.setattr(training, "update_ema", crashing_update)
-    two = config(tmp_path, data, max_steps=6, checkpoint_every=3, output_dir=str(tmp_path / "two"))
+    two = config(tmp_path, data, max_steps=6, checkpoint_every=3, log_every=1, output_dir=str(tmp_path / "two"))
     with pytest.raises(_Crash):
         train(two)
     assert find_latest_checkpoint(tmp_path / "two").name == "step-0000003"
+    assert log_steps(tmp_path / "two") == [1, 2, 3, 4]
     monkeypatch.setattr(training, "update_ema", real_update)
     torch.manual_seed(999)  # the restart's global RNG state must not matter
-    train(config(tmp_path, data, max_steps=6, checkpoint_every=3, output_dir=str(tmp_path / "two"), resume="latest"))
+    train(config(tmp_path, data, max_steps=6, checkpoint_every=3, log_every=1, output_dir=str(tmp_path / "two"),
+                 resume="latest"))
+    assert log_steps(tmp_path / "two") == [1, 2, 3, 4, 5, 6]
+    assert log_steps(tmp_path / "two", "head_usage.jsonl") == [1, 2, 3, 4, 5, 6]
 
     ema_one = load_file(tmp_path / "one" / "final" / "diffusion_pytorch_model.safetensors")
     ema_two = load_file(tmp_path / "two" / "final" / "diffusion_pytorch_model.safetensors")
     assert set(ema_one) == set(ema_two) and all(torch.equal(ema_one[k], ema_two[k]) for k in ema_one)
-    w_one = torch.load(tmp_path / "one" / "checkpoints" / "step-0000006" / "pytorch_model.bin", weights_only=True)
-    w_two = torch.load(tmp_path / "two" / "checkpoints" / "step-0000006" / "pytorch_model.bin", weights_only=True)
+    w_one = load_file(tmp_path / "one" / "checkpoints" / "step-0000006" / "model.safetensors")
+    w_two = load_file(tmp_path / "two" / "checkpoints" / "step-0000006" / "model.safetensors")
     assert all(torch.equal(w_one[k], w_two[k]) for k in w_one)
     # and the weights really moved away from the step-3 checkpoint
-    w_three = torch.load(tmp_path / "one" / "checkpoints" / "step-0000003" / "pytorch_model.bin", weights_only=True)
+    w_three = load_file(tmp_path / "one" / "checkpoints" / "step-0000003" / "model.safetensors")
     assert any(not torch.equal(w_one[k], w_three[k]) for k in w_one)
+    # the optimiser state and the data position came back too (same files, byte for byte)
+    for name in ("optimizer.safetensors", "train_state.json", "scheduler.json", "random_states_0.safetensors"):
+        assert ((tmp_path / "one" / "checkpoints" / "step-0000006" / name).read_bytes()
+                == (tmp_path / "two" / "checkpoints" / "step-0000006" / name).read_bytes()), name
 
 
 def test_interrupted_checkpoint_is_ignored(tmp_path, data, monkeypatch):
@@ -180,26 +190,24 @@ def test_interrupted_checkpoint_is_ignored(tmp_path, data, monkeypatch):
     ckpts = tmp_path / "run" / "checkpoints"
     # leftovers of crashed saves: a temporary folder and a final-named folder without marker
     (ckpts / ".step-0000009.tmp").mkdir()
-    (ckpts / ".step-0000009.tmp" / "pytorch_model.bin").write_bytes(b"partial")
+    (ckpts / ".step-0000009.tmp" / "model.safetensors").write_bytes(b"partial")
     (ckpts / "step-0000012").mkdir()
-    (ckpts / "step-0000012" / "pytorch_model.bin").write_bytes(b"partial")
+    (ckpts / "step-0000012" / "model.safetensors").write_bytes(b"partial")
     assert find_latest_checkpoint(tmp_path / "run").name == "step-0000002"
 
-    # a crash inside save_state leaves the previous checkpoint as the latest
-    from accelerate import Accelerator
-
-    def broken_save(self, output_dir, **kwargs):
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(output_dir) / "pytorch_model.bin").write_bytes(b"half")
+    # a crash while writing a checkpoint leaves the previous checkpoint as the latest
+    def broken_save(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(Accelerator, "save_state", broken_save)
+    monkeypatch.setattr(training, "save_file", broken_save)
     with pytest.raises(OSError, match="disk full"):
         train(config(tmp_path, data, max_steps=4, checkpoint_every=2, resume="latest"))
     assert find_latest_checkpoint(tmp_path / "run").name == "step-0000002"
     monkeypatch.undo()
     train(config(tmp_path, data, max_steps=4, checkpoint_every=2, resume="latest"))
     assert find_latest_checkpoint(tmp_path / "run").name == "step-0000004"
+    assert (ckpts / "step-0000012" / "model.safetensors").read_bytes() == b"partial"  # not ours to delete
 
 
 def test_corrupt_images_fail_or_are_skipped(tmp_path):
@@ -266,3 +274,296 @@ def test_cli_rejects_unknown_preset_and_dry_run_prints_config(tmp_path, data):
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["preset"] == "DiT-Tiny" and not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------------------
+# One run per folder, safe checkpoints, integrity, pruning
+# --------------------------------------------------------------------------------------
+
+
+def cli_args(out, data, *extra):
+    """scripts/train.py flags of the tiny run used below (pixel space, 16 px, 4 steps)."""
+    return ["--preset", "MoH-DiT-Tiny", "--data-dir", str(data), "--vae", "none", "--image-size", "16",
+            "--output-dir", str(out), "--max-steps", "4", "--global-batch-size", "4", "--checkpoint-every", "2",
+            "--num-workers", "0", "--report-to", "none", "--log-every", "1", "--ema-decay", "0.9", *map(str, extra)]
+
+
+def run_cli_train(load_script, argv):
+    return load_script("train").cli([str(a) for a in argv])
+
+
+def log_steps(run: Path, name="train_log.jsonl"):
+    return [json.loads(line)["step"] for line in (run / name).read_text().splitlines()]
+
+
+def tree_state(root: Path):
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
+            if p.name != ".lock"}
+
+
+def test_second_run_into_a_busy_folder_is_refused(tmp_path, data, monkeypatch, refuses):
+    """While a run trains, a second one into its --output-dir stops at once naming the holder,
+    with or without --resume, and the running one finishes intact."""
+    import os
+    import socket
+
+    run = tmp_path / "run"
+    real_update = training.update_ema
+    seen = {}
+
+    def update_and_intrude(*args, **kwargs):
+        real_update(*args, **kwargs)
+        if not seen and find_latest_checkpoint(run) is not None:  # after the step-2 checkpoint
+            seen["inside"] = True  # (today's code would run the intruder, which comes back here)
+            before = tree_state(run)
+            for i, extra in enumerate(([], ["--resume", "latest"])):
+                seen[i] = refuses("train", cli_args(run, data, "--max-steps", 6, *extra),
+                                          rf"{re.escape(str(run))}.*in use.*pid {os.getpid()}")
+            assert tree_state(run) == before
+
+    monkeypatch.setattr(training, "update_ema", update_and_intrude)
+    train(config(tmp_path, data, log_every=1))
+    assert socket.gethostname() in seen[0] and "started" in seen[0]
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step-0000002", "step-0000004"]
+    assert log_steps(run) == [1, 2, 3, 4]
+    assert json.loads((run / "train_config.json").read_text())["max_steps"] == 4
+
+
+@pytest.mark.parametrize("leftover", ["finished", "train_config", "final", "checkpoint"])
+def test_starting_over_an_existing_run_is_refused(tmp_path, data, refuses, leftover):
+    """Without --resume, a folder holding a run (or any part of one) is never reused."""
+    run = tmp_path / "run"
+    train(config(tmp_path, data, max_steps=4))
+    if leftover == "train_config":
+        import shutil
+        shutil.rmtree(run / "checkpoints"), shutil.rmtree(run / "final")
+    elif leftover == "final":
+        import shutil
+        shutil.rmtree(run / "checkpoints"), (run / "train_config.json").unlink()
+    elif leftover == "checkpoint":
+        import shutil
+        shutil.rmtree(run / "final"), (run / "train_config.json").unlink()
+    refuses("train", cli_args(run, data, "--max-steps", 2), r"already holds a run.*--resume latest.*--output-dir")
+
+
+def test_rerun_of_a_finished_command_keeps_the_run(tmp_path, data, load_script):
+    """The finished run's final/ and checkpoints survive a refused rerun; --resume latest continues it."""
+    run = tmp_path / "run"
+    assert run_cli_train(load_script, cli_args(run, data)) == 0
+    final_before = (run / "final" / "diffusion_pytorch_model.safetensors").read_bytes()
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 2)) == 1
+    assert (run / "final" / "diffusion_pytorch_model.safetensors").read_bytes() == final_before
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 6, "--resume", "latest")) == 0
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step-0000004", "step-0000006"]
+    assert log_steps(run) == [1, 2, 3, 4, 5, 6]
+
+
+def test_keep_all_checkpoints_with_limit_zero(tmp_path, data, load_script):
+    run = tmp_path / "run"
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 6, "--checkpoints-total-limit", 0)) == 0
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step-0000002", "step-0000004",
+                                                                         "step-0000006"]
+
+
+class _Planted:
+    """A pickle that, when unpickled, creates the file ``path``: planted code running."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _plant(folder: Path, name: str, marker: Path) -> None:
+    torch.save({"state": _Planted(marker)}, folder / name)
+
+
+def test_resume_never_unpickles_planted_code(tmp_path, data, load_script):
+    """A planted custom_checkpoint_*.pkl is never read; resume from latest and from the path."""
+    run = tmp_path / "run"
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 2)) == 0
+    ckpt = run / "checkpoints" / "step-0000002"
+    marker = tmp_path / "code_ran"
+    for i in range(2):  # where accelerate's register_for_checkpointing puts custom state
+        _plant(ckpt, f"custom_checkpoint_{i}.pkl", marker)
+    try:
+        status = run_cli_train(load_script, cli_args(run, data, "--max-steps", 3, "--resume", "latest"))
+    except Exception:  # today's code: the planted object reaches load_state_dict
+        status = "raised"
+    assert not marker.exists(), "the planted pickle ran"
+    assert status == 0
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 4, "--resume",
+                                               run / "checkpoints" / "step-0000003")) == 0
+    assert not marker.exists()
+
+
+def test_resume_with_another_preset_or_data_is_refused(tmp_path, data, load_script, refuses):
+    """The run record and logs stay as they were; the message names both values."""
+    run = tmp_path / "run"
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 2)) == 0
+    other = make_image_folder(tmp_path / "other", classes=("a", "b", "c"))
+    refuses("train", cli_args(run, data, "--resume", "latest", "--preset", "DiT-Tiny"),
+            r"--preset DiT-Tiny.*MoH-DiT-Tiny")
+    refuses("train", cli_args(run, other, "--resume", "latest"), rf"{re.escape(str(other))}.*{re.escape(str(data))}")
+    refuses("train", cli_args(run, data, "--resume", run / "checkpoints" / "step-0000002", "--image-size", 8),
+            r"sample_size")
+    assert json.loads((run / "train_config.json").read_text())["preset"] == "MoH-DiT-Tiny"
+
+
+def _weights_file(ckpt: Path) -> Path:
+    return next(ckpt / n for n in ("model.safetensors", "pytorch_model.bin") if (ckpt / n).exists())
+
+
+def test_damaged_newest_checkpoint_falls_back_or_is_named(tmp_path, data, load_script, refuses, capsys):
+    run = tmp_path / "run"
+    assert run_cli_train(load_script, cli_args(run, data)) == 0
+    step4 = run / "checkpoints" / "step-0000004"
+    weights = _weights_file(step4)
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated by a full disk
+    truncated = weights.stat().st_size
+    refuses("train", cli_args(run, data, "--max-steps", 6, "--resume", step4), rf"{re.escape(str(weights))}")
+
+    capsys.readouterr()
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 6, "--resume", "latest")) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"step-0000004.*damaged.*step-0000002", err, re.S), err
+    assert log_steps(run) == [1, 2, 3, 4, 5, 6]
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["step-0000004", "step-0000004.damaged", "step-0000006"]  # the damaged one set aside, kept
+    assert (run / "checkpoints" / names[1] / weights.name).stat().st_size == truncated
+
+
+def test_every_damage_to_a_checkpoint_is_detected(tmp_path, data, load_script, refuses):
+    run = tmp_path / "run"
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 2)) == 0
+    ckpt = run / "checkpoints" / "step-0000002"
+    marker = json.loads((ckpt / "checkpoint.json").read_text())
+    assert {"model.safetensors", "ema.safetensors", "train_state.json"} <= set(marker["files"])
+    for name in sorted(marker["files"]):
+        original = (ckpt / name).read_bytes()
+        flipped = bytearray(original)
+        flipped[len(flipped) // 2] ^= 1  # same size, one bit off
+        for damaged in (bytes(flipped), original + b"\0", None):
+            if damaged is None:
+                (ckpt / name).unlink()
+            else:
+                (ckpt / name).write_bytes(damaged)
+            refuses("train", cli_args(run, data, "--resume", ckpt), rf"{re.escape(name)}")
+            (ckpt / name).write_bytes(original)
+    (ckpt / "checkpoint.json").write_text("{ not json")
+    refuses("train", cli_args(run, data, "--resume", ckpt), r"checkpoint\.json")
+    refuses("train", cli_args(run, data, "--resume", "latest"), r"damaged.*checkpoint\.json")
+
+
+def test_no_file_of_a_checkpoint_is_unpickled_unsafely(tmp_path, data, load_script, refuses):
+    """Planted pickles under every name the checkpoint holds, with the marker's hashes made
+    to match: the resume fails naming the file (or ignores it) but never runs the code."""
+    import hashlib
+
+    run = tmp_path / "run"
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 2)) == 0
+    ckpt = run / "checkpoints" / "step-0000002"
+    code_ran = tmp_path.parent / f"{tmp_path.name}_code_ran"  # outside tmp_path: refuses watches that
+    names = sorted(json.loads((ckpt / "checkpoint.json").read_text())["files"])
+    for name in names + ["checkpoint.json", "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl", "optimizer.bin",
+                         "scheduler.bin", "random_states_0.pkl", "pytorch_model.bin"]:
+        original = (ckpt / name).read_bytes() if (ckpt / name).exists() else None
+        marker_text = (ckpt / "checkpoint.json").read_text()
+        _plant(ckpt, name, code_ran)
+        marker = json.loads(marker_text)
+        if name in marker["files"]:
+            blob = (ckpt / name).read_bytes()
+            marker["files"][name] = {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+            (ckpt / "checkpoint.json").write_text(json.dumps(marker))
+        for resume in ("latest", ckpt):
+            status = run_cli_train(load_script, cli_args(run, data, "--max-steps", 2, "--resume", resume))
+            assert not code_ran.exists(), f"planted {name} ran"
+            assert status == (1 if name in marker["files"] or name == "checkpoint.json" else 0), name
+        (ckpt / "checkpoint.json").write_text(marker_text)
+        if original is None:
+            (ckpt / name).unlink()
+        else:
+            (ckpt / name).write_bytes(original)
+
+
+def test_dry_run_writes_nothing_and_takes_no_lock(tmp_path, data, load_script, capsys):
+    run = tmp_path / "run"
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 2)) == 0
+    before = {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in run.rglob("*")}
+    assert run_cli_train(load_script, cli_args(run, data, "--resume", "latest", "--dry-run")) == 0
+    assert {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in run.rglob("*")} == before
+    assert run_cli_train(load_script, cli_args(tmp_path / "new", data, "--dry-run")) == 0
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.fixture
+def bad_inputs(tmp_path):
+    (tmp_path / "a_file.txt").write_text("not a folder")
+    return tmp_path
+
+
+NAN, INF = "nan", "inf"
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--preset", "MoH-DiT-Huge"], r"invalid choice"),
+    (["--data-dir", "{tmp}/missing"], r"missing.*does not exist"),
+    (["--data-dir", "{tmp}/a_file.txt"], r"a_file.txt.*not a folder"),
+    (["--data-dir", None, "--latents-dir", "{tmp}/missing"], r"missing.*does not exist"),
+    (["--latents-dir", "{tmp}/missing"], r"not allowed with argument"),
+    (["--vae", "{tmp}/a_file.txt"], r"--vae .*a_file.txt"),
+    (["--vae-subfolder", "vae"], r"--vae-subfolder.*--vae none"),
+    (["--image-size", 0], r"--image-size.*0"),
+    (["--image-size", -16], r"--image-size.*-16"),
+    (["--image-size", "big"], r"invalid int"),
+    (["--output-dir", "{tmp}/a_file.txt"], r"--output-dir.*a_file.txt.*not a folder"),
+    (["--max-steps", 0], r"--max-steps.*0"),
+    (["--max-steps", -5], r"--max-steps.*-5"),
+    (["--global-batch-size", 0], r"--global-batch-size.*0"),
+    (["--learning-rate", 0], r"--learning-rate.*0"),
+    (["--learning-rate", -1e-4], r"--learning-rate.*-0.0001"),
+    (["--learning-rate", NAN], r"--learning-rate.*nan"),
+    (["--learning-rate", INF], r"--learning-rate.*inf"),
+    (["--weight-decay", -0.1], r"--weight-decay.*-0.1"),
+    (["--weight-decay", NAN], r"--weight-decay.*nan"),
+    (["--weight-decay", INF], r"--weight-decay.*inf"),
+    (["--warmup-steps", -1], r"--warmup-steps.*-1"),
+    (["--max-grad-norm", 0], r"--max-grad-norm.*0"),
+    (["--max-grad-norm", -1], r"--max-grad-norm.*-1"),
+    (["--max-grad-norm", NAN], r"--max-grad-norm.*nan"),
+    (["--max-grad-norm", INF], r"--max-grad-norm.*inf"),
+    (["--checkpoint-every", 0], r"--checkpoint-every.*0"),
+    (["--checkpoints-total-limit", -1], r"--checkpoints-total-limit.*-1"),
+    (["--resume", "{tmp}/missing"], r"--resume.*missing"),
+    (["--resume", "{tmp}/a_file.txt"], r"--resume.*a_file.txt"),
+    (["--mixed-precision", "fp8"], r"invalid choice"),
+    (["--seed", -1], r"--seed.*-1"),
+    (["--seed", 2 ** 40], rf"--seed.*{2 ** 40}"),
+    (["--lb-coeff", -0.01], r"--lb-coeff.*-0.01"),
+    (["--lb-coeff", NAN], r"--lb-coeff.*nan"),
+    (["--lb-coeff", INF], r"--lb-coeff.*inf"),
+    (["--ema-decay", 1], r"--ema-decay.*1"),
+    (["--ema-decay", -0.5], r"--ema-decay.*-0.5"),
+    (["--ema-decay", NAN], r"--ema-decay.*nan"),
+    (["--class-dropout", 1], r"--class-dropout.*1"),
+    (["--class-dropout", -0.1], r"--class-dropout.*-0.1"),
+    (["--class-dropout", NAN], r"--class-dropout.*nan"),
+    (["--num-workers", -1], r"--num-workers.*-1"),
+    (["--on-corrupt", "ignore"], r"invalid choice"),
+    (["--log-every", 0], r"--log-every.*0"),
+    (["--sample-every", -1], r"--sample-every.*-1"),
+    (["--sample-every", 2, "--sample-steps", 0], r"--sample-steps.*0"),
+    (["--sample-every", 2, "--sample-steps", 5000], r"--sample-steps.*5000"),
+    (["--report-to", "mlflow"], r"invalid choice"),
+])
+def test_every_bad_flag_is_refused_before_any_work(bad_inputs, data, refuses, flags, match):
+    tmp = bad_inputs
+    argv = cli_args(tmp / "run", data)
+    flags = [str(f).format(tmp=tmp) if f is not None else None for f in flags]
+    if flags[1] is None:  # drop a flag of the base command
+        i = argv.index(flags[0])
+        del argv[i:i + 2]
+        flags = flags[2:]
+    refuses("train", argv + flags, match)
+    assert not (tmp / "run").exists()
