@@ -245,6 +245,12 @@ def load_pipeline(
         if scheduler == "saved":
             raise ValueError(f"{model} is a transformer folder with no saved scheduler; use --scheduler ddpm|ddim|dpm.")
         transformer = MoHDiTTransformer2DModel.from_pretrained(model)
+        channels = transformer.config.in_channels
+        if channels not in (1, 3) and (vae is None or vae.lower() == "none"):
+            raise ValueError(
+                f"{model} is a latent model ({channels}-channel inputs): pass its VAE with --vae (vae=), e.g. "
+                "--vae stabilityai/sd-vae-ft-ema."
+            )
         pipe = MoHDiTPipeline(transformer=transformer, scheduler=make_scheduler("ddpm"), vae=_load_vae(vae))
     else:
         raise FileNotFoundError(

@@ -517,6 +517,13 @@ class MoHDiTPipeline(DiffusionPipeline):
             eta: DDIM's eta (ignored by other schedulers).
             output_type: ``"pil"``, ``"np"``, ``"pt"`` (images in [0, 1]) or ``"latent"``.
             return_dict: return a ``MoHDiTPipelineOutput``; else ``(images, ratio, head_usage)``.
+
+        Raises:
+            ValueError: a bad argument (see :meth:`check_inputs`), before any compute.
+            NonFiniteLatentsError: (a ValueError) the latents became NaN/inf; the message names
+                the first bad step and its timestep. Checked at every step on the CPU, and on
+                accelerators through a flag kept on the device and read once after the loop,
+                so that sampling makes no per-step host sync (see ``_FiniteWatch``).
         """
         # ---- validate everything before any compute (diffusers' convention: check_inputs)
         self.check_inputs(

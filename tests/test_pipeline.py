@@ -354,6 +354,25 @@ def test_non_finite_latents_name_the_step(randomize):
     assert pipe.transformer.top_k_per_layer == pipe.transformer.trained_top_k  # state restored
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_non_finite_latents_on_cuda_are_found_after_the_loop(randomize):
+    """On CUDA the check makes no per-step host sync: the run goes on to the end, and the error
+    still names the first bad step."""
+    pipe = tiny_pipe(randomize).to("cuda")
+    calls = []
+
+    def poison(module, args, output):
+        calls.append(1)
+        if len(calls) == 2:
+            output.sample.fill_(float("nan"))
+        return output
+
+    pipe.transformer.register_forward_hook(poison)
+    with pytest.raises(ValueError, match=r"at step 2 of 4 \(step index 1, "):
+        pipe([1], guidance_scale=1.5, num_inference_steps=4, seeds=[0])
+    assert len(calls) == 4
+
+
 def test_deferred_finite_watch_names_first_bad_step():
     """The accelerator path (no per-step host sync) keeps the first bad step on the device."""
     from moh_dit.pipelines.pipeline_moh_dit import _FiniteWatch

@@ -177,7 +177,7 @@ def saved_models(tmp_path_factory):
     """A tiny MoH transformer folder, a non-learned-sigma one, and a non-model folder, outside
     each test's tmp_path (which `refuses` watches)."""
     root = tmp_path_factory.mktemp("models")
-    for name, overrides in (("moh", {}), ("fixed", {"learn_sigma": False})):
+    for name, overrides in (("moh", {}), ("fixed", {"learn_sigma": False}), ("latent", {"in_channels": 4})):
         model = MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, **overrides)
         generator = torch.Generator().manual_seed(4)
         with torch.no_grad():  # random weights: DiT's init would make every block the identity
@@ -235,6 +235,7 @@ def _sample_argv(models, out, *extra):
         (["--model", "{models}/empty"], r"neither a pipeline folder \(model_index\.json\) nor a transformer folder"),
         # A learned-variance DDPM with a model that does not learn sigma: refused before writing.
         (["--model", "{models}/fixed"], r"does not learn sigma"),
+        (["--model", "{models}/latent"], r"latent model \(4-channel inputs\): pass its VAE with --vae"),
         (["--output", "{tmp}/file.txt"], r"--output .*file\.txt is a file"),
         (["--output", "{tmp}/file.txt/out"], r"--output .*out lies under .*file\.txt, which is a file"),
     ],
