@@ -4,6 +4,9 @@
     python scripts/convert_checkpoint.py --checkpoint 7000000.pt --preset MoH-DiT-XL/2-90 --output moh-dit-xl-2-90
     python scripts/convert_checkpoint.py --checkpoint DiT-XL-2-256x256.pt --preset DiT-XL/2 --output dit-xl-2
     python scripts/convert_checkpoint.py --checkpoint facebook/DiT-XL-2-256 --preset DiT-XL/2 --output dit-xl-2
+
+An unreadable checkpoint, a wrong preset or a bad --output is refused with one error line
+before anything is written.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ from moh_dit.presets import PRESETS
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help=".pt/.pth/.safetensors file, diffusers folder, URL or Hub id")
+    parser.add_argument("--checkpoint", required=True,
+                        help=".pt/.pth/.safetensors file, diffusers folder, URL or Hub id (only an org/name that is "
+                             "not a local path is looked up on the Hub)")
     parser.add_argument("--preset", required=True, choices=list(PRESETS), metavar="PRESET",
                         help="model preset the weights belong to (top-K cannot be read from weights)")
-    parser.add_argument("--output", required=True, help="output folder (written atomically)")
+    parser.add_argument("--output", required=True,
+                        help="output folder (written atomically; a non-empty one needs --overwrite, a file is refused)")
     parser.add_argument("--weights", choices=["ema", "model"], default="ema",
                         help="which weights of a training checkpoint to take (default: ema, used for sampling)")
     parser.add_argument("--sample-size", type=int, default=None, help="latent size (default: read from the checkpoint)")
