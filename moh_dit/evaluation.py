@@ -35,6 +35,7 @@ import hashlib
 import io
 import json
 import math
+import numbers
 import os
 import tempfile
 import urllib.request
@@ -48,6 +49,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .data import IMG_EXTENSIONS, CorruptImageError, load_image, read_image_size, scan_image_files
 from .io_utils import atomic_write
 
 __all__ = [
@@ -105,7 +107,6 @@ ADM_K = 3  # neighbourhood size of ADM's precision/recall
 
 NOT_COMPARABLE = "not comparable to published numbers"
 
-_IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 _CACHE_FORMAT_VERSION = 1
 
 
@@ -938,10 +939,14 @@ class _ImageFiles(torch.utils.data.Dataset):
         return len(self.files)
 
     def __getitem__(self, index: int) -> np.ndarray:
-        from PIL import Image
-
-        with Image.open(self.files[index]) as image:
-            array = np.array(image.convert("RGB"))  # (H, W, 3) uint8
+        # The package's one loader: 16-bit and float images keep their values (see load_image).
+        try:
+            array = np.array(load_image(self.files[index]))  # (H, W, 3) uint8
+        except CorruptImageError as error:
+            cause = error.__cause__ or error
+            raise ValueError(
+                f"cannot read image {self.files[index]}: {type(cause).__name__}: {cause}; replace or delete the file"
+            ) from error
         if array.shape != (self.resolution, self.resolution, 3):
             expected = (self.resolution, self.resolution, 3)
             raise ValueError(f"{self.files[index]} decoded to {array.shape}, expected {expected}")
@@ -953,31 +958,28 @@ def _stack_images(arrays: list[np.ndarray]) -> torch.Tensor:
 
 
 class FolderImageSource(ImageSource):
-    """All images under a folder (recursive; png/jpg/jpeg/webp/bmp/tif), sorted by relative path.
+    """All images under a folder (recursive, :data:`moh_dit.data.IMG_EXTENSIONS`), sorted by relative path.
 
-    Images are converted to RGB (grayscale/CMYK/palette files occur in ImageNet) and must all
-    be square and of one size; each header is read up front so a bad file fails early.
+    The folder is scanned by :func:`moh_dit.data.scan_image_files` (hidden names ignored, links
+    to folders followed, no folder entered twice) and images are read by
+    :func:`moh_dit.data.load_image` (grey, CMYK, palette and 16-bit files are converted to 8-bit
+    RGB keeping their values; alpha is dropped, as ADM's ``convert("RGB")``). All images must be
+    square and of one size; each header is read up front so a bad file fails early.
     """
 
     def __init__(self, path: PathLike) -> None:
-        from PIL import Image, UnidentifiedImageError
-
         self.root = Path(path)
         if not self.root.is_dir():
             raise FileNotFoundError(f"image folder not found: {self.root}")
-        files = sorted(
-            (p for p in self.root.rglob("*") if p.suffix.lower() in _IMAGE_EXTENSIONS and p.is_file()),
-            key=lambda p: p.relative_to(self.root).as_posix(),
-        )
+        files = [Path(p) for p in scan_image_files(self.root)]
         if not files:
-            raise ValueError(f"no images ({', '.join(_IMAGE_EXTENSIONS)}) found under {self.root}")
+            raise ValueError(f"no images ({', '.join(IMG_EXTENSIONS)}) found under {self.root}")
         size = None
         for file in files:
             try:
-                with Image.open(file) as image:
-                    file_size = image.size  # header only, no decode
-            except (UnidentifiedImageError, OSError) as error:
-                raise ValueError(f"cannot read image {file}: {error}") from error
+                file_size = read_image_size(file)  # header only, no decode
+            except CorruptImageError as error:
+                raise ValueError(f"{error}; replace or delete the file") from error
             if file_size[0] != file_size[1]:
                 raise ValueError(
                     f"{file} is {file_size[0]}x{file_size[1]}; images must be square (center-crop them first)"
@@ -1031,13 +1033,36 @@ class _IterableImageSource(ImageSource):
 
     def __init__(self, batches: Iterable[Any]) -> None:
         self._batches = batches
+        self._iterator: Iterator[Any] | None = None
+        self._first: torch.Tensor | None = None
         self.description = "<iterator of image batches>"
 
+    def peek_resolution(self) -> int | None:
+        """Take (and keep) the first batch to learn the resolution before any feature is computed."""
+        if self.resolution is None and self._iterator is None:
+            self._iterator = iter(self._batches)
+            first = next(self._iterator, None)
+            if first is not None:
+                self._first = _to_uint8_nhwc(first, "batch 0")
+                self.resolution = self._first.shape[1]
+        return self.resolution
+
     def batches(self, batch_size: int, num_workers: int = 0) -> Iterator[torch.Tensor]:
-        for index, batch in enumerate(self._batches):
+        iterator = self._iterator if self._iterator is not None else iter(self._batches)
+        first, self._first, self._iterator = self._first, None, None
+        start = 0
+        if first is not None:
+            start = 1
+            yield from first.split(batch_size)
+        for index, batch in enumerate(iterator, start=start):
             batch = _to_uint8_nhwc(batch, f"batch {index}")
             if self.resolution is None:
                 self.resolution = batch.shape[1]
+            elif batch.shape[1] != self.resolution:
+                raise ValueError(
+                    f"batch {index} is {batch.shape[1]}x{batch.shape[2]} but the first batch was "
+                    f"{self.resolution}x{self.resolution}; all samples must have one resolution"
+                )
             yield from batch.split(batch_size)
 
 
@@ -1176,12 +1201,25 @@ def _inspect_reference(reference: PathLike) -> _ReferenceSpec:
     if path.is_dir():
         return _ReferenceSpec(path, "images", FolderImageSource(path), None)
     names = [n[:-4] for n in _zip_member_names(path) if n.endswith(".npy")]
-    if "mu" in names:
-        missing = [key for key in ("sigma",) if key not in names]
-        if missing:
-            raise ValueError(f"{path} has 'mu' but no {missing}; an ADM reference batch stores mu, sigma, mu_s, sigma_s")
-        with np.load(path, allow_pickle=False) as archive:
-            stored = {key: archive[key] for key in ("mu", "sigma", "mu_s", "sigma_s") if key in names}
+    present = [key for key in ("mu", "sigma", "mu_s", "sigma_s") if key in names]
+    if present:
+        for first, second in (("mu", "sigma"), ("mu_s", "sigma_s")):
+            if (first in names) != (second in names):
+                have, lack = (first, second) if first in names else (second, first)
+                raise ValueError(
+                    f"{path} has '{have}' but no '{lack}'; an ADM reference batch stores mu, sigma "
+                    "(and mu_s, sigma_s for sFID) in pairs"
+                )
+        if "mu" not in names:
+            raise ValueError(f"{path} has {present} but no 'mu'/'sigma'; FID needs the pool_3 statistics mu, sigma")
+        try:
+            with np.load(path, allow_pickle=False) as archive:
+                stored = {key: archive[key] for key in present}
+        except (ValueError, OSError, zipfile.BadZipFile, EOFError) as error:
+            raise ValueError(f"cannot read the statistics in {path}: {error}") from error
+        _check_statistics(f"reference {path}", stored["mu"], stored["sigma"], None, ("mu", "sigma"))
+        if "mu_s" in stored:
+            _check_statistics(f"reference {path}", stored["mu_s"], stored["sigma_s"], None, ("mu_s", "sigma_s"))
         images = NpzImageSource(path) if "arr_0" in names else None
         return _ReferenceSpec(path, "adm_npz", images, stored)
     if "arr_0" in names:
@@ -1213,17 +1251,49 @@ def _save_npz_atomic(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
         np.savez(f, **arrays)
 
 
-def _load_cache(path: Path, key: str) -> dict[str, np.ndarray] | None:
+def _load_cache(
+    path: Path, key: str, num_images: int | None = None, extractor: nn.Module | None = None
+) -> dict[str, np.ndarray] | None:
     if not path.is_file():
         return None
     try:
         with np.load(path, allow_pickle=False) as archive:
             if str(archive["cache_key"]) != key:
                 return None
-            return {name: archive[name] for name in archive.files}
+            arrays = {name: archive[name] for name in archive.files}
     except Exception as error:  # a damaged cache is recomputed, never trusted
         warnings.warn(f"ignoring unreadable reference cache {path}: {error}")
         return None
+    problem = _cache_problem(arrays, num_images, extractor)
+    if problem is not None:  # the key matched but the contents do not fit: recompute, and say so
+        warnings.warn(f"ignoring reference cache {path}: {problem}; recomputing it")
+        return None
+    return arrays
+
+
+def _cache_problem(arrays: Mapping[str, np.ndarray], num_images: int | None, extractor: nn.Module | None) -> str | None:
+    """Why cached reference arrays cannot be used (shapes that do not fit together), or None."""
+    pool_dim = getattr(extractor, "pool_dim", None)
+    spatial_dim = getattr(extractor, "spatial_dim", None)
+    try:
+        features = arrays.get("pool_features")
+        if features is not None:
+            if features.ndim != 2 or (num_images is not None and features.shape[0] != num_images):
+                return f"pool_features has shape {features.shape}, expected ({num_images}, D)"
+            pool_dim = pool_dim if pool_dim is not None else features.shape[1]
+            if features.shape[1] != pool_dim:
+                return f"pool_features has {features.shape[1]} values per image, the extractor {pool_dim}"
+        for mu, sigma, dim in (("mu", "sigma", pool_dim), ("mu_s", "sigma_s", spatial_dim)):
+            if mu in arrays or sigma in arrays:
+                if mu not in arrays or sigma not in arrays:
+                    return f"it has only one of '{mu}'/'{sigma}'"
+                _check_statistics("cache", arrays[mu], arrays[sigma], dim, (mu, sigma))
+        spatial = arrays.get("spatial_features")
+        if spatial is not None and "mu_s" in arrays and spatial.shape[1:] != arrays["mu_s"].shape:
+            return f"spatial_features has shape {spatial.shape}, not matching mu_s {arrays['mu_s'].shape}"
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def load_reference(
@@ -1274,7 +1344,7 @@ def _compute_reference(
     cached = None
     if use_cache and spec.images is not None:
         cache_file, key = _cache_path(Path(cache_dir) if cache_dir is not None else _default_cache_dir(), spec, identity)
-        cached = _load_cache(cache_file, key)
+        cached = _load_cache(cache_file, key, num_images, extractor)
     arrays: dict[str, np.ndarray] = {}
     if cached is not None:
         arrays = cached
@@ -1283,6 +1353,12 @@ def _compute_reference(
             spec.images, extractor, device=device, batch_size=batch_size, num_workers=num_workers, progress=progress
         )
         arrays["pool_features"] = features.pool
+        if spec.kind == "adm_npz" and features.pool.shape[1] != spec.stored["mu"].shape[0]:
+            # caught here, before any sample is processed, for extractors that do not declare pool_dim
+            raise ValueError(
+                f"{spec.path}: 'mu' has {spec.stored['mu'].shape[0]} values but the extractor's pool features "
+                f"have {features.pool.shape[1]}; the reference was made with a different feature layer"
+            )
         if spec.kind == "images":
             pool = compute_statistics(features.pool)
             arrays["mu"], arrays["sigma"] = pool.mu, pool.sigma
@@ -1337,19 +1413,71 @@ class EvaluationResult:
     reference_resolution: int | None = None
     reference_from_cache: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
+    allow_resolution_mismatch: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
+def _check_statistics(
+    where: str, mu: Any, sigma: Any, expected_dim: int | None, names: tuple[str, str] = ("mu", "sigma")
+) -> None:
+    """Refuse statistics that cannot be used: ``mu`` not (D,), ``sigma`` not (D, D), non-numeric or non-finite.
+
+    ``expected_dim`` is the feature network's D when known (2048 for pool_3, 2023 for ADM's
+    sFID layer); otherwise D is taken from ``mu``. Cheap, so it runs before any image is processed.
+    """
+    mu_name, sigma_name = names
+    mu, sigma = np.asarray(mu), np.asarray(sigma)
+    for name, array in ((mu_name, mu), (sigma_name, sigma)):
+        if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
+            raise ValueError(f"{where}: '{name}' has dtype {array.dtype}; expected floating-point statistics")
+    if mu.ndim != 1:
+        raise ValueError(f"{where}: '{mu_name}' has shape {mu.shape}; expected a mean vector (D,)")
+    d = expected_dim if expected_dim is not None else mu.shape[0]
+    layer = "" if expected_dim is None else f" (the feature extractor produces {expected_dim} values)"
+    if mu.shape != (d,):
+        raise ValueError(
+            f"{where}: '{mu_name}' has shape {mu.shape} but should be ({d},){layer}; "
+            "the reference was made with a different feature layer or is damaged"
+        )
+    if sigma.shape != (d, d):
+        raise ValueError(
+            f"{where}: '{sigma_name}' has shape {sigma.shape} but should be ({d}, {d}) to match "
+            f"'{mu_name}'{layer}; the reference was made with a different feature layer or is damaged"
+        )
+    if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
+        raise ValueError(f"{where}: '{mu_name}' or '{sigma_name}' contains NaN or infinite values")
+
+
 def _check_stored_dims(spec: _ReferenceSpec, extractor: nn.Module) -> None:
-    for key, attribute in (("mu", "pool_dim"), ("mu_s", "spatial_dim")):
-        expected = getattr(extractor, attribute, None)
-        if expected is not None and spec.stored and key in spec.stored and spec.stored[key].shape != (expected,):
+    """Stored reference statistics against the extractor's declared feature widths."""
+    if not spec.stored:
+        return
+    for mu, sigma, attribute in (("mu", "sigma", "pool_dim"), ("mu_s", "sigma_s", "spatial_dim")):
+        if mu in spec.stored:
+            expected = getattr(extractor, attribute, None)
+            _check_statistics(f"reference {spec.path}", spec.stored[mu], spec.stored[sigma], expected, (mu, sigma))
+
+
+def _check_given_reference(ref: ReferenceStatistics, extractor: nn.Module) -> None:
+    """A ReferenceStatistics passed in (e.g. reused across a sweep) checked like a stored one."""
+    where = f"reference statistics of {ref.source}"
+    _check_statistics(where, ref.pool.mu, ref.pool.sigma, getattr(extractor, "pool_dim", None), ("mu", "sigma"))
+    if ref.spatial is not None:
+        _check_statistics(
+            where, ref.spatial.mu, ref.spatial.sigma, getattr(extractor, "spatial_dim", None), ("mu_s", "sigma_s")
+        )
+    if ref.pool_features is not None and np.ndim(ref.pool_features) == 2:
+        if ref.pool_features.shape[1] != ref.pool.mu.shape[0]:
             raise ValueError(
-                f"{spec.path}: '{key}' has shape {spec.stored[key].shape} but the extractor produces "
-                f"{expected} values; the reference was made with a different feature layer"
+                f"{where}: pool_features have {ref.pool_features.shape[1]} values per image but mu has "
+                f"{ref.pool.mu.shape[0]}"
             )
+
+
+def _resolution_text(resolution: int | None) -> str:
+    return "of unknown resolution" if resolution is None else f"{resolution}x{resolution} px"
 
 
 def _frechet(samples: np.ndarray, reference: FeatureStatistics, reference_features: np.ndarray | None) -> float:
@@ -1375,6 +1503,7 @@ def evaluate(
     split_size: int = ADM_SPLIT_SIZE,
     k: int = ADM_K,
     progress: bool = False,
+    allow_resolution_mismatch: bool = False,
 ) -> EvaluationResult:
     """FID, sFID, Inception Score, precision and recall of ``samples`` against ``reference``, as ADM.
 
@@ -1384,8 +1513,20 @@ def evaluate(
     :class:`ReferenceStatistics` from :func:`load_reference` (reuse it across a sweep).
     ``extractor`` defaults to the TF-compatible InceptionV3 with weights from
     :func:`resolve_inception_weights` (``inception_weights`` > env > hub cache > download).
-    Inputs are validated before the extractor is loaded or any image is processed.
+    Inputs are validated before the extractor is loaded or any image is processed, and the
+    stored reference statistics (shapes against the extractor's feature widths) and the two
+    resolutions before any feature is computed.
+
+    Samples and reference of different resolutions (e.g. 32 px samples against a 64 px reference;
+    an ADM reference batch's resolution is that of its ``arr_0``) are refused: their FID measures
+    the resizing as much as the model. ``allow_resolution_mismatch=True``
+    (``--allow-resolution-mismatch``) evaluates anyway and records it in the result. A reference
+    holding statistics only (no images) has no known resolution; the result's notes say so.
     """
+    for name, value, least in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
+                               ("split_size", split_size, 1), ("k", k, 1)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     sample_source = open_image_source(samples)
     minimum = max(2, k + 1)
     if sample_source.num_images is not None and sample_source.num_images < minimum:
@@ -1393,16 +1534,46 @@ def evaluate(
     spec = None if isinstance(reference, ReferenceStatistics) else _inspect_reference(reference)
     if spec is not None and spec.images is not None and spec.images.num_images < minimum:
         raise ValueError(f"{spec.path}: {spec.images.num_images} reference images; need at least {minimum}")
+    if spec is not None:
+        reference_resolution = spec.images.resolution if spec.images is not None else None
+        reference_name = str(spec.path)
+    else:
+        reference_resolution, reference_name = reference.resolution, reference.source
+
+    def check_resolutions(sample_resolution: int | None) -> None:
+        mismatch = None not in (sample_resolution, reference_resolution) and sample_resolution != reference_resolution
+        if mismatch and not allow_resolution_mismatch:
+            raise ValueError(
+                f"the samples ({sample_source.description}) are {_resolution_text(sample_resolution)} but the "
+                f"reference ({reference_name}) is {_resolution_text(reference_resolution)}; FID between different "
+                "resolutions is not comparable. Evaluate samples at the reference's resolution, or pass "
+                "--allow-resolution-mismatch (allow_resolution_mismatch=True in Python) to evaluate anyway"
+            )
+
+    check_resolutions(sample_source.resolution)  # both known here unless the samples come from an iterator
     if extractor is None:
         extractor = load_inception(inception_weights, download=download)
     identity = extractor_identity(extractor)
     if spec is not None:
         _check_stored_dims(spec, extractor)
+    else:
+        if reference.extractor != identity:
+            raise ValueError(
+                f"the reference statistics were made with extractor {reference.extractor!r}, "
+                f"not with {identity!r}; recompute them with the same extractor"
+            )
+        _check_given_reference(reference, extractor)
+    if sample_source.resolution is None and reference_resolution is not None and isinstance(
+        sample_source, _IterableImageSource
+    ):
+        # Take the first batch now (after the cheap checks, before any feature) to learn its size.
+        check_resolutions(sample_source.peek_resolution())
+    if spec is not None:
         ref = _compute_reference(
             spec, extractor, identity, device, batch_size, num_workers, cache_dir, use_cache, progress
         )
     else:
-        ref = load_reference(reference, extractor)
+        ref = reference
 
     features = extract_features(
         sample_source, extractor, device=device, batch_size=batch_size, num_workers=num_workers, progress=progress
@@ -1414,6 +1585,18 @@ def evaluate(
     comparable = bool(getattr(extractor, "comparable_to_published", False))
     if not comparable:
         notes.append(f"extractor {identity} is not the published TF Inception: {NOT_COMPARABLE}")
+    sample_resolution = sample_source.resolution
+    if ref.resolution is None:
+        notes.append(
+            f"reference resolution unknown: {ref.source} holds statistics only (no arr_0 images), so the "
+            f"sample resolution ({_resolution_text(sample_resolution)}) could not be checked against it"
+        )
+    elif sample_resolution is not None and sample_resolution != ref.resolution:
+        notes.append(
+            f"samples are {_resolution_text(sample_resolution)} but the reference is "
+            f"{_resolution_text(ref.resolution)} (allowed by --allow-resolution-mismatch): these numbers are "
+            "not comparable to ones at the reference's resolution"
+        )
     if ref.spatial is None or features.spatial is None:
         notes.append("sFID unavailable: no spatial features/statistics on one side")
     if features.logits is None:
@@ -1445,8 +1628,9 @@ def evaluate(
         extractor=identity,
         inception_weights=dict(getattr(extractor, "weights_info", {}) or {}),
         comparable_to_published=comparable,
-        sample_resolution=sample_source.resolution,
+        sample_resolution=sample_resolution,
         reference_resolution=ref.resolution,
         reference_from_cache=ref.from_cache,
         notes=notes,
+        allow_resolution_mismatch=bool(allow_resolution_mismatch),
     )

@@ -7,7 +7,9 @@
 streamed, never loaded whole) or a folder of images. ``--ref``: ADM's reference batch
 (``mu``, ``sigma``, ``mu_s``, ``sigma_s``, ``arr_0``) or a folder / ``.npz`` of real images, whose
 statistics are computed once and cached. The numbers match ADM's TensorFlow evaluator when the
-published Inception weights are used; the JSON says whether they were.
+published Inception weights are used; the JSON says whether they were. Samples and reference
+of different resolutions are refused unless ``--allow-resolution-mismatch`` is given (then the
+JSON records ``"allow_resolution_mismatch": true`` with both resolutions).
 All the work is done by :func:`moh_dit.evaluation.evaluate`.
 """
 
@@ -46,18 +48,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--split-size", type=int, default=ADM_SPLIT_SIZE, help="Inception Score split size (ADM: 5000; keep it to compare)"
     )
+    parser.add_argument(
+        "--allow-resolution-mismatch",
+        action="store_true",
+        help="evaluate samples whose resolution differs from the reference's (refused by default; recorded in the JSON)",
+    )
     return parser.parse_args(argv)
 
 
-def main(args: argparse.Namespace) -> dict:
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.num_workers < 0:
-        raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag, before the Inception network is loaded or any image is read."""
+    for flag, value, least in (("--batch-size", args.batch_size, 1), ("--num-workers", args.num_workers, 0),
+                               ("--split-size", args.split_size, 1)):  # fmt: skip
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    for flag, value in (("--samples", args.samples), ("--ref", args.ref)):
+        if not Path(value).exists():
+            raise FileNotFoundError(f"{flag} {value}: no such file or folder")
+    if args.inception_weights is not None and not Path(args.inception_weights).expanduser().is_file():
+        raise FileNotFoundError(f"--inception-weights {args.inception_weights}: no such file")
+    try:
+        torch.device(args.device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}") from None
     if str(args.device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device} but CUDA is not available; use --device cpu")
-    if args.output is not None and not Path(args.output).resolve().parent.is_dir():
-        raise FileNotFoundError(f"--output folder does not exist: {Path(args.output).resolve().parent}")
+    if args.output is not None:
+        output = Path(args.output)
+        if output.is_dir():
+            raise ValueError(f"--output {args.output} is a folder; give a file name such as {output / 'results.json'}")
+        if not output.resolve().parent.is_dir():
+            raise FileNotFoundError(f"--output folder does not exist: {output.resolve().parent}")
+    if args.cache_dir is not None and not args.no_cache and Path(args.cache_dir).exists():
+        if not Path(args.cache_dir).is_dir():
+            raise ValueError(f"--cache-dir {args.cache_dir} is a file, not a folder")
+
+
+def main(args: argparse.Namespace) -> dict:
+    check_args(args)
     result = evaluate(
         args.samples,
         args.ref,
@@ -70,6 +98,7 @@ def main(args: argparse.Namespace) -> dict:
         use_cache=not args.no_cache,
         split_size=args.split_size,
         progress=True,
+        allow_resolution_mismatch=args.allow_resolution_mismatch,
     )
     payload = result.to_dict()
     print(json.dumps(payload, indent=2))

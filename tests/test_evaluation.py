@@ -6,6 +6,7 @@ weights file, so nothing is downloaded; its numbers only check the plumbing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import urllib.request
@@ -534,3 +535,225 @@ def test_evaluate_script_fails_early_with_clear_errors(
     err = capsys.readouterr().err
     assert ev.INCEPTION_WEIGHTS_URL in err and str(no_weights_anywhere) in err
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Images keep their values; folders are scanned once
+# ---------------------------------------------------------------------------------------------
+
+
+def test_folder_source_reads_16bit_images_by_their_range(tmp_path):
+    """Reproduction: 16-bit PNGs were evaluated as white (convert("RGB") clips values above 255)."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i, value in enumerate([0, 32768, 65535]):
+        Image.fromarray(np.full((6, 6), value, np.uint16)).save(folder / f"{i}.png")
+    (batch,) = list(ev.open_image_source(folder).batches(8))
+    assert batch[:, 0, 0, :].tolist() == [[0] * 3, [128] * 3, [255] * 3]
+
+
+def test_folder_source_does_not_follow_a_link_loop(tmp_path):
+    folder = tmp_path / "images"
+    _write_pngs(folder, _smooth_images(5, 8))
+    (folder / "part0" / "loop").symlink_to("..", target_is_directory=True)
+    _write_pngs(tmp_path / "elsewhere", _smooth_images(2, 8, offset=9))
+    (folder / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)  # followed: outside the tree
+    source = ev.open_image_source(folder)
+    assert source.num_images == 7
+    assert [p.relative_to(folder).as_posix() for p in source.files] == [
+        "linked/part0/000.png", "linked/part0/001.png", *[f"part0/{i:03d}.png" for i in range(4)], "part1/004.png"
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation refuses what cannot be compared
+# ---------------------------------------------------------------------------------------------
+
+
+class CountingSource(ev.ImageSource):
+    """In-memory samples that count how many batches were read."""
+
+    def __init__(self, images: np.ndarray) -> None:
+        self.images = torch.from_numpy(images)
+        self.num_images, self.resolution = images.shape[0], images.shape[1]
+        self.description = "<counting source>"
+        self.batches_read = 0
+
+    def batches(self, batch_size: int, num_workers: int = 0):
+        for batch in self.images.split(batch_size):
+            self.batches_read += 1
+            yield batch
+
+
+def _adm_reference(path: Path, images: np.ndarray | None, dim: int = 48, spatial_dim: int = 6, **override) -> Path:
+    arrays = {"mu": np.zeros(dim), "sigma": np.eye(dim), "mu_s": np.zeros(spatial_dim), "sigma_s": np.eye(spatial_dim)}
+    if images is not None:
+        arrays["arr_0"] = images
+    arrays.update(override)
+    return _save(path, **{k: v for k, v in arrays.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ({"sigma": np.eye(47)}, r"'sigma' has shape \(47, 47\) but should be \(48, 48\)"),
+        ({"sigma": np.zeros(48)}, r"'sigma' has shape \(48,\)"),
+        ({"mu": np.zeros((48, 1))}, r"'mu' has shape \(48, 1\); expected a mean vector"),
+        ({"sigma_s": np.eye(5)}, r"'sigma_s' has shape \(5, 5\) but should be \(6, 6\)"),
+        ({"sigma_s": None}, r"has 'mu_s' but no 'sigma_s'"),
+        ({"sigma": np.full((48, 48), np.nan)}, "NaN"),
+    ],
+)
+def test_bad_reference_statistics_are_refused_before_any_feature(tmp_path, override, match):
+    """Reproduction: a reference whose sigma has the wrong shape was found only after all features."""
+    ref = _adm_reference(tmp_path / "ref.npz", _smooth_images(6, 16), **override)
+    samples = CountingSource(_noise_images(6, 16))
+    extractor = TinyExtractor()
+    with pytest.raises(ValueError, match=match):
+        ev.evaluate(samples, ref, extractor=extractor, batch_size=2, cache_dir=tmp_path / "cache")
+    assert samples.batches_read == 0 and extractor.calls == 0
+    assert not (tmp_path / "cache").exists()
+
+
+def test_stored_statistics_are_checked_against_the_inception_width(tmp_path, random_inception):
+    # mu has the 2048 values of pool_3, sigma does not: refused before the reference or sample images are read
+    ref = _adm_reference(tmp_path / "ref.npz", _smooth_images(4, 16), dim=2048, spatial_dim=2023, sigma=np.eye(16))
+    samples = CountingSource(_noise_images(4, 16))
+    with pytest.raises(ValueError, match=r"'sigma' has shape \(16, 16\) but should be \(2048, 2048\)"):
+        ev.evaluate(samples, ref, extractor=random_inception, use_cache=False)
+    assert samples.batches_read == 0
+    small = _adm_reference(tmp_path / "small.npz", None, dim=48, spatial_dim=2023)
+    with pytest.raises(ValueError, match=r"'mu' has shape \(48,\) but should be \(2048,\)"):
+        ev.evaluate(samples, small, extractor=random_inception, use_cache=False)
+    assert samples.batches_read == 0
+
+
+def test_reference_statistics_object_is_checked_too(tmp_path):
+    extractor = TinyExtractor()
+    ref = ev.load_reference(_write_pngs(tmp_path / "ref", _smooth_images(5, 16))[0].parents[1], extractor, use_cache=False)
+    calls = extractor.calls
+    broken = dataclasses.replace(ref, pool=ev.FeatureStatistics(ref.pool.mu, ref.pool.sigma[:-1]))
+    samples = CountingSource(_noise_images(5, 16))
+    with pytest.raises(ValueError, match=r"'sigma' has shape \(47, 48\)"):
+        ev.evaluate(samples, broken, extractor=extractor)
+    assert samples.batches_read == 0 and extractor.calls == calls
+
+
+def test_cached_statistics_of_the_wrong_shape_are_recomputed(tmp_path):
+    _write_pngs(tmp_path / "ref", _smooth_images(6, 16))
+    cache = tmp_path / "cache"
+    extractor = TinyExtractor()
+    first = ev.load_reference(tmp_path / "ref", extractor, cache_dir=cache)
+    (cache_file,) = cache.iterdir()
+    with np.load(cache_file) as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    arrays["sigma"] = arrays["sigma"][:10, :10]  # same key, contents that do not fit
+    np.savez(cache_file, **arrays)
+    with pytest.warns(UserWarning, match=r"ignoring reference cache .*'sigma' has shape \(10, 10\)"):
+        again = ev.load_reference(tmp_path / "ref", extractor, cache_dir=cache)
+    assert not again.from_cache
+    np.testing.assert_array_equal(again.pool.sigma, first.pool.sigma)
+    assert ev.load_reference(tmp_path / "ref", extractor, cache_dir=cache).from_cache  # rewritten, good again
+
+
+def test_resolution_mismatch_is_refused_unless_allowed(tmp_path):
+    """Reproduction: 32 px samples against a 64 px reference gave an FID without a word."""
+    _write_pngs(tmp_path / "ref64", _smooth_images(5, 64))
+    extractor = TinyExtractor()
+    samples32 = _noise_images(5, 32)
+    for samples in (CountingSource(samples32), samples32, iter([samples32[:3], samples32[3:]])):
+        with pytest.raises(ValueError, match=r"samples .* are 32x32 px but the reference .*ref64.* is 64x64 px.*"
+                                             r"--allow-resolution-mismatch"):
+            ev.evaluate(samples, tmp_path / "ref64", extractor=extractor, use_cache=False)
+        assert extractor.calls == 0
+    # an ADM reference batch has the resolution of its arr_0
+    adm = _adm_reference(tmp_path / "adm.npz", _smooth_images(5, 64))
+    with pytest.raises(ValueError, match="64x64 px"):
+        ev.evaluate(CountingSource(samples32), adm, extractor=extractor, use_cache=False)
+    # a ReferenceStatistics object carries its resolution
+    ref = ev.load_reference(tmp_path / "ref64", extractor, use_cache=False)
+    calls = extractor.calls
+    with pytest.raises(ValueError, match="32x32 px .* 64x64 px"):
+        ev.evaluate(iter([samples32]), ref, extractor=extractor)
+    assert extractor.calls == calls
+
+    allowed = ev.evaluate(samples32, ref, extractor=extractor, allow_resolution_mismatch=True)
+    record = allowed.to_dict()
+    assert record["allow_resolution_mismatch"] is True
+    assert (record["sample_resolution"], record["reference_resolution"]) == (32, 64)
+    assert any("allowed by --allow-resolution-mismatch" in note for note in record["notes"])
+    same = ev.evaluate(_noise_images(5, 64), ref, extractor=extractor).to_dict()
+    assert same["allow_resolution_mismatch"] is False and not any("resolution" in n for n in same["notes"])
+
+
+def test_statistics_only_reference_says_its_resolution_is_unknown(tmp_path):
+    extractor = TinyExtractor()
+    stats = ev.compute_statistics(ev.extract_features(_smooth_images(6, 16), extractor).pool)
+    ref = _save(tmp_path / "stats.npz", mu=stats.mu, sigma=stats.sigma)
+    result = ev.evaluate(_noise_images(6, 32), ref, extractor=extractor, use_cache=False)
+    assert result.reference_resolution is None and result.sample_resolution == 32
+    assert any("reference resolution unknown" in note and "32x32" in note for note in result.notes)
+
+
+def test_evaluate_checks_its_numeric_arguments_first(tmp_path):
+    extractor = TinyExtractor()
+    samples = CountingSource(_noise_images(5, 16))
+    for kwargs, match in [({"batch_size": 0}, "batch_size"), ({"num_workers": -1}, "num_workers"),
+                          ({"split_size": 0}, "split_size"), ({"k": 0}, "k must")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            ev.evaluate(samples, tmp_path / "missing", extractor=extractor, **kwargs)
+    assert samples.batches_read == 0
+
+
+def test_evaluate_script_resolution_mismatch(tmp_path, random_weights, evaluate_script, refuses):
+    _write_pngs(tmp_path / "ref", _smooth_images(4, 24))
+    _write_pngs(tmp_path / "samples", _noise_images(4, 16))
+    out = tmp_path / "metrics.json"
+    argv = ["--samples", tmp_path / "samples", "--ref", tmp_path / "ref", "--inception-weights", random_weights,
+            "--device", "cpu", "--num-workers", "0", "--no-cache", "--output", out]  # fmt: skip
+    refuses("evaluate", argv, r"16x16 px but the reference .* is 24x24 px.*--allow-resolution-mismatch")
+    payload = evaluate_script.main(evaluate_script.parse_args([str(a) for a in argv] + ["--allow-resolution-mismatch"]))
+    assert json.loads(out.read_text()) == payload
+    assert payload["allow_resolution_mismatch"] is True
+    assert (payload["sample_resolution"], payload["reference_resolution"]) == (16, 24)
+
+
+@pytest.fixture
+def evaluate_inputs(tmp_path, random_weights):
+    """Valid inputs for scripts/evaluate.py; each bad-flag row changes one thing."""
+    _write_pngs(tmp_path / "samples", _noise_images(4, 16))
+    _write_pngs(tmp_path / "ref", _smooth_images(4, 16))
+    _adm_reference(tmp_path / "bad_sigma.npz", _smooth_images(4, 16), dim=2048, spatial_dim=2023, sigma=np.eye(3))
+    (tmp_path / "a_folder").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "garbage.npz").write_bytes(b"not a zip")
+    return {
+        "--samples": tmp_path / "samples", "--ref": tmp_path / "ref", "--inception-weights": random_weights,
+        "--device": "cpu", "--num-workers": "0", "--cache-dir": tmp_path / "cache", "--output": tmp_path / "out.json",
+    }  # fmt: skip
+
+
+EVALUATE_BAD_FLAGS = [
+    ({"--batch-size": "0"}, "--batch-size must be >= 1, got 0"),
+    ({"--batch-size": "-3"}, "--batch-size must be >= 1"),
+    ({"--batch-size": "two"}, "invalid int value"),
+    ({"--num-workers": "-1"}, "--num-workers must be >= 0, got -1"),
+    ({"--split-size": "0"}, "--split-size must be >= 1, got 0"),
+    ({"--samples": "{tmp}/missing"}, "--samples .*missing: no such file or folder"),
+    ({"--ref": "{tmp}/missing.npz"}, "--ref .*missing.npz: no such file or folder"),
+    ({"--samples": "{tmp}/garbage.npz"}, "neither a folder of images nor an .npz"),
+    ({"--inception-weights": "{tmp}/none.pth"}, "--inception-weights .*none.pth: no such file"),
+    ({"--output": "{tmp}/a_folder"}, "--output .*a_folder is a folder"),
+    ({"--output": "{tmp}/no/such/dir/out.json"}, "--output folder does not exist"),
+    ({"--cache-dir": "{tmp}/a_file"}, "--cache-dir .*a_file is a file"),
+    ({"--device": "gpu"}, "--device must be cpu, cuda or cuda:N, got 'gpu'"),
+    ({"--ref": "{tmp}/bad_sigma.npz"}, r"'sigma' has shape \(3, 3\) but should be \(2048, 2048\)"),
+]
+if not torch.cuda.is_available():
+    EVALUATE_BAD_FLAGS.append(({"--device": "cuda"}, "CUDA is not available"))
+
+
+@pytest.mark.parametrize("change, match", EVALUATE_BAD_FLAGS)
+def test_evaluate_script_refuses_bad_flags(tmp_path, evaluate_inputs, refuses, change, match):
+    flags = {**evaluate_inputs, **{k: v.format(tmp=tmp_path) for k, v in change.items()}}
+    refuses("evaluate", [item for pair in flags.items() for item in pair], match)
