@@ -79,7 +79,8 @@ def load_vae(vae: str | os.PathLike, subfolder: str | None = None, device: str |
     try:
         model = AutoencoderKL.from_pretrained(str(vae), torch_dtype=torch.float32, **kwargs)
     except (OSError, ValueError) as err:
-        raise OSError(
+        # FileNotFoundError (an OSError) so the scripts print it as one line, not a traceback.
+        raise FileNotFoundError(
             f"cannot load an AutoencoderKL from {str(vae)!r}{f' (subfolder {subfolder!r})' if subfolder else ''}: "
             f"{err}. Pass a diffusers VAE folder (with config.json) or a hub id such as stabilityai/sd-vae-ft-ema; "
             f"for a full pipeline repository add --vae-subfolder vae."
@@ -168,23 +169,28 @@ def extract_latents(
         on_corrupt: ``"error"`` stops at the first unreadable image, naming it; ``"skip"``
             leaves it out and lists it in ``index.json``.
         dtype: storage dtype of mean and std, ``"float32"`` or ``"float16"`` (half the disk).
-        overwrite: replace an existing ``output_dir``.
+        overwrite: replace an existing ``output_dir``, which must be a latent cache: the old
+            cache is kept until the new one is complete, then removed.
 
     Rerunning the same call after an interruption resumes from the completed shards.
-    Returns the path of the finished cache.
+    Returns the path of the finished cache. Every argument is checked before the VAE is
+    loaded or anything is written.
     """
     if on_corrupt not in ON_CORRUPT:
         raise ValueError(f"on_corrupt must be one of {ON_CORRUPT}, got {on_corrupt!r}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
-    if batch_size < 1 or shard_size < 1:
-        raise ValueError(f"batch_size and shard_size must be >= 1, got {batch_size} and {shard_size}")
+    for name, value, least in (("image_size", image_size, 1), ("batch_size", batch_size, 1),
+                               ("shard_size", shard_size, 1), ("num_workers", num_workers, 0)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= {least}, got {value!r}")
     data_dir, output_dir = Path(data_dir), Path(output_dir)
     classes, class_to_idx, samples = find_image_folder(data_dir)
-    if output_dir.exists() and not overwrite:
-        raise FileExistsError(f"{str(output_dir)!r} already exists; delete it, choose another --output-dir or overwrite")
+    _check_output_dir(data_dir, output_dir, overwrite)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} but CUDA is not available; use --device cpu")
     if isinstance(vae, (str, os.PathLike)):
         vae = load_vae(vae, vae_subfolder, device)
     else:
@@ -293,6 +299,45 @@ def extract_latents(
         rate = f", {encoded / elapsed:.1f} images/s" if encoded and elapsed > 0 else ""
         print(f"cached {len(labels)} latents of shape {latent_shape} to {output_dir}{rate}; skipped {len(skipped)}")
     return output_dir
+
+
+def _is_latent_cache(path: Path) -> bool:
+    try:
+        return json.loads((path / _INDEX).read_text()).get("format") == LATENT_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _check_output_dir(data_dir: Path, output_dir: Path, overwrite: bool) -> None:
+    """Refuse outputs that would mix with or destroy something else; nothing is written here."""
+    data_real, out_real = data_dir.resolve(), output_dir.resolve()
+    if out_real == data_real or data_real in out_real.parents or out_real in data_real.parents:
+        raise ValueError(
+            f"--output-dir {str(output_dir)!r} and --data-dir {str(data_dir)!r} overlap; put the cache "
+            "in a folder outside the data folder"
+        )
+    if output_dir.exists() or output_dir.is_symlink():
+        if not output_dir.is_dir():
+            raise FileExistsError(f"--output-dir {str(output_dir)!r} exists and is not a folder; choose another --output-dir")
+        if not overwrite:
+            raise FileExistsError(
+                f"{str(output_dir)!r} already exists; delete it, choose another --output-dir or pass --overwrite"
+            )
+        if not _is_latent_cache(output_dir) and any(output_dir.iterdir()):
+            # --overwrite replaces a latent cache; it never deletes an unrelated folder.
+            raise FileExistsError(
+                f"--overwrite would replace {str(output_dir)!r}, which is not a latent cache (no {_INDEX} "
+                f"of format {LATENT_FORMAT!r}); choose another --output-dir, or delete it yourself"
+            )
+    partial = output_dir.parent / f".{output_dir.name}.partial"
+    if partial.exists() and not partial.is_dir():
+        raise FileExistsError(f"{str(partial)!r} is in the way of the extraction (not a folder); move it away")
+    # Missing parent folders are created when the work starts; a file in their place cannot be.
+    ancestor = output_dir.absolute().parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise FileExistsError(f"cannot create --output-dir {str(output_dir)!r}: {str(ancestor)!r} is a file")
 
 
 def _extract_shard(

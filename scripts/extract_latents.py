@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+import torch
 
 from moh_dit.cli import run_cli
 from moh_dit.latents import extract_latents
@@ -30,11 +33,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="VAE device; default cuda when available, else cpu")
     parser.add_argument("--on-corrupt", choices=["error", "skip"], default="error", help="unreadable images: stop, or skip and list them")
     parser.add_argument("--dtype", choices=["float32", "float16"], default="float32", help="storage dtype of mean and std")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output-dir")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing latent cache at --output-dir (kept until the new one is complete)")
     return parser.parse_args(argv)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The numeric flags and the device, before the folder is scanned or the VAE loaded.
+
+    Folders are checked by extract_latents itself (data folder layout, --output-dir that exists
+    without --overwrite, is a file, is not a latent cache, or overlaps --data-dir), also before
+    any work.
+    """
+    for flag, value, least in (("--image-size", args.image_size, 1), ("--batch-size", args.batch_size, 1),
+                               ("--shard-size", args.shard_size, 1), ("--num-workers", args.num_workers, 0)):  # fmt: skip
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    if args.device is not None:
+        try:
+            torch.device(args.device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}") from None
+    if not Path(args.data_dir).is_dir():
+        raise FileNotFoundError(f"--data-dir {args.data_dir}: no such folder")
+
+
 def main(args: argparse.Namespace) -> None:
+    check_args(args)
     extract_latents(
         args.data_dir,
         args.vae,

@@ -190,3 +190,87 @@ def test_interrupted_extraction_resumes_by_shard(vae_dir, image_dir, tmp_path, m
     whole = extract_latents(image_dir, vae_dir, tmp_path / "whole", SIZE, **kwargs)
     for k in range(2):
         np.testing.assert_array_equal(np.load(out / f"shard_0000{k}.npy"), np.load(whole / f"shard_0000{k}.npy"))
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_keeps_the_old_cache_until_the_new_one_is_complete(vae_dir, image_dir, tmp_path, monkeypatch):
+    out = tmp_path / "latents"
+    kwargs = dict(batch_size=4, shard_size=4, num_workers=0, device="cpu", progress=False)
+    extract_latents(image_dir, vae_dir, out, SIZE, **kwargs)
+    before = _tree(out)
+    real = latents_mod.encode_distribution
+    calls = []
+
+    def failing(vae, images):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("power cut")
+        return real(vae, images)
+
+    monkeypatch.setattr(latents_mod, "encode_distribution", failing)
+    with pytest.raises(RuntimeError, match="power cut"):
+        extract_latents(image_dir, vae_dir, out, SIZE, overwrite=True, **{**kwargs, "dtype": "float16"})
+    assert _tree(out) == before  # the old cache is untouched while the new one is unfinished
+    monkeypatch.setattr(latents_mod, "encode_distribution", real)
+    extract_latents(image_dir, vae_dir, out, SIZE, overwrite=True, **{**kwargs, "dtype": "float16"})
+    assert json.loads((out / "index.json").read_text())["dtype"] == "float16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latents"]  # no partial or old folder left
+
+
+def test_overwrite_never_replaces_a_folder_that_is_not_a_latent_cache(vae_dir, image_dir, tmp_path):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    with pytest.raises(FileExistsError, match="not a latent cache"):
+        extract_latents(image_dir, vae_dir, precious, SIZE, overwrite=True, device="cpu", progress=False)
+    assert (precious / "thesis.tex").read_text() == "years of work"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious"]
+
+
+@pytest.fixture
+def latent_inputs(tmp_path, image_dir, vae_dir):
+    """Valid scripts/extract_latents.py flags; each bad-flag row changes one thing."""
+    shutil.copytree(image_dir, tmp_path / "data")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "existing").mkdir()
+    (tmp_path / "existing" / "notes.txt").write_text("mine")
+    return {
+        "--data-dir": tmp_path / "data", "--vae": vae_dir, "--image-size": str(SIZE), "--output-dir": tmp_path / "out",
+        "--num-workers": "0", "--device": "cpu",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change, extra, match",
+    [
+        ({"--image-size": "0"}, [], "--image-size must be >= 1, got 0"),
+        ({"--image-size": "-32"}, [], "--image-size must be >= 1"),
+        ({"--image-size": "36"}, [], "not a multiple of the VAE's downsampling factor 8"),
+        ({"--image-size": "3.5"}, [], "invalid int value"),
+        ({"--batch-size": "0"}, [], "--batch-size must be >= 1, got 0"),
+        ({"--shard-size": "0"}, [], "--shard-size must be >= 1, got 0"),
+        ({"--shard-size": "-1"}, [], "--shard-size must be >= 1"),
+        ({"--num-workers": "-1"}, [], "--num-workers must be >= 0, got -1"),
+        ({"--data-dir": "{tmp}/missing"}, [], "--data-dir .*missing: no such folder"),
+        ({"--data-dir": "{tmp}/a_file"}, [], "--data-dir .*a_file: no such folder"),
+        ({"--data-dir": "{tmp}/empty"}, [], "no class subfolders"),
+        ({"--output-dir": "{tmp}/existing"}, [], "already exists.*--overwrite"),
+        ({"--output-dir": "{tmp}/existing"}, ["--overwrite"], "not a latent cache"),
+        ({"--output-dir": "{tmp}/a_file"}, ["--overwrite"], "exists and is not a folder"),
+        ({"--output-dir": "{tmp}/a_file/cache"}, [], "is a file"),
+        ({"--output-dir": "{tmp}/data/cache"}, [], "overlap"),
+        ({"--output-dir": "{tmp}"}, ["--overwrite"], "overlap"),
+        ({"--vae": "{tmp}/no-vae"}, [], "cannot load an AutoencoderKL"),
+        ({"--device": "gpu"}, [], "--device must be cpu, cuda or cuda:N"),
+        ({"--on-corrupt": "ignore"}, [], "invalid choice"),
+        ({"--dtype": "bfloat16"}, [], "invalid choice"),
+    ]
+    + ([] if torch.cuda.is_available() else [({"--device": "cuda"}, [], "CUDA is not available")]),
+)
+def test_extract_latents_script_refuses_bad_flags(tmp_path, latent_inputs, refuses, change, extra, match):
+    flags = {**latent_inputs, **{k: v.format(tmp=tmp_path) for k, v in change.items()}}
+    refuses("extract_latents", [item for pair in flags.items() for item in pair] + extra, match)
