@@ -13,7 +13,9 @@ files whatever ``images_per_class`` is.
 
 from __future__ import annotations
 
+import json
 import math
+import numbers
 import os
 import shutil
 import tempfile
@@ -31,7 +33,12 @@ DEMO_SHAPES = ("circle", "square", "triangle", "cross")
 DEMO_COLOURS = {"red": (215, 35, 35), "green": (30, 160, 50), "blue": (40, 70, 220)}
 
 _SUPERSAMPLE = 4  # draw at 4x and box-downsample: anti-aliased edges without blur
+_FORMAT = "moh-dit-demo-shapes"
 _FORMAT_VERSION = 1
+# The largest shape (radius 0.38 S) with its margin must fit: 2 (1.25 * 0.38 S + 0.5) <= S, i.e. S >= 20;
+# below that some draws have no room for the shape (numpy refused them mid-way at S = 16).
+MIN_IMAGE_SIZE = 20
+MAX_IMAGE_SIZE = 1024  # drawn at 4x supersampling: 4096^2 masks; larger is not a "small" dataset
 
 
 def demo_classes() -> list[str]:
@@ -62,8 +69,8 @@ def render_demo_image(class_name: str, rng: np.random.Generator, image_size: int
     colour_name, _, shape = class_name.partition("_")
     if colour_name not in DEMO_COLOURS or shape not in DEMO_SHAPES:
         raise ValueError(f"unknown demo class {class_name!r}; choose from {demo_classes()}")
-    if image_size < 16:
-        raise ValueError(f"image_size must be at least 16 for recognisable shapes, got {image_size}")
+    if image_size < MIN_IMAGE_SIZE:
+        raise ValueError(f"image_size must be at least {MIN_IMAGE_SIZE} for recognisable shapes, got {image_size}")
     S = image_size
     r = rng.uniform(0.26, 0.38) * S
     # Keep the whole (possibly rotated) shape inside the image.
@@ -86,6 +93,13 @@ def render_demo_image(class_name: str, rng: np.random.Generator, image_size: int
     return Image.fromarray(np.clip(np.rint(image), 0, 255).astype(np.uint8))
 
 
+def _is_demo_dataset(path: Path) -> bool:
+    try:
+        return json.loads((path / "demo_dataset.json").read_text()).get("format") == _FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def make_demo_dataset(
     output_dir: str | os.PathLike,
     images_per_class: int = 300,
@@ -96,14 +110,40 @@ def make_demo_dataset(
     """Write the demo dataset to ``output_dir`` (ImageFolder layout) and return its path.
 
     Files go to a temporary sibling folder that is renamed to ``output_dir`` once complete,
-    so an interrupted run leaves nothing behind under that name. ``demo_dataset.json`` in
+    so an interrupted run leaves nothing behind under that name. ``overwrite`` replaces an
+    existing demo dataset (or empty folder) only after the new one is complete; any other
+    folder is refused. Arguments are checked before anything is written: ``images_per_class``
+    >= 1, ``image_size`` in [20, 1024], ``seed`` >= 0. ``demo_dataset.json`` in
     the root records the settings (ImageFolder readers ignore files in the root).
     """
-    if images_per_class < 1:
-        raise ValueError(f"images_per_class must be >= 1, got {images_per_class}")
+    for name, value, low, high in (("images_per_class", images_per_class, 1, None),
+                                   ("image_size", image_size, MIN_IMAGE_SIZE, MAX_IMAGE_SIZE),
+                                   ("seed", seed, 0, None)):  # fmt: skip
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} ({flag}) must be an integer, got {value!r}")
+        if value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise ValueError(f"{name} ({flag}) must be {bounds}, got {value}")
     output_dir = Path(output_dir)
-    if output_dir.exists() and not overwrite:
-        raise FileExistsError(f"{str(output_dir)!r} already exists; delete it, choose another directory or pass overwrite")
+    if output_dir.exists() or output_dir.is_symlink():
+        if not output_dir.is_dir():
+            raise FileExistsError(f"{str(output_dir)!r} exists and is not a folder; choose another --output-dir")
+        if not overwrite:
+            raise FileExistsError(
+                f"{str(output_dir)!r} already exists; delete it, choose another --output-dir or pass --overwrite"
+            )
+        if not _is_demo_dataset(output_dir) and any(output_dir.iterdir()):
+            # --overwrite replaces a demo dataset; it never deletes an unrelated folder.
+            raise FileExistsError(
+                f"--overwrite would replace {str(output_dir)!r}, which is not a demo dataset (no demo_dataset.json "
+                "written by this script); choose another --output-dir, or delete it yourself"
+            )
+    ancestor = output_dir.absolute().parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise FileExistsError(f"cannot create {str(output_dir)!r}: {str(ancestor)!r} is a file")
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
     try:
@@ -116,7 +156,7 @@ def make_demo_dataset(
         write_json_atomic(
             tmp / "demo_dataset.json",
             {
-                "format": "moh-dit-demo-shapes",
+                "format": _FORMAT,
                 "version": _FORMAT_VERSION,
                 "seed": seed,
                 "images_per_class": images_per_class,

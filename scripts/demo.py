@@ -19,6 +19,7 @@ Rerunning continues where it stopped (the training resumes from its last checkpo
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -79,7 +80,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag, before the dataset is written or anything is trained; the run itself is unchanged."""
+    from moh_dit.presets import PRESETS
+    from moh_dit.sweep import parse_ratios
+
+    if args.preset not in PRESETS:
+        raise ValueError(f"--preset {args.preset!r} is not a known preset; choose one of {', '.join(PRESETS)}")
+    for flag, value, least in (("--images-per-class", args.images_per_class, 1), ("--max-steps", args.max_steps, 1),
+                               ("--batch-size", args.batch_size, 1), ("--warmup-steps", args.warmup_steps, 0),
+                               ("--sample-steps", args.sample_steps, 1), ("--reference-per-class", args.reference_per_class, 1),
+                               ("--sweep-samples", args.sweep_samples, 4), ("--seed", args.seed, 0)):  # fmt: skip
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    if args.sample_steps > 1000:  # the DDPM schedule has 1000 training steps
+        raise ValueError(f"--sample-steps must be at most 1000 (the DDPM schedule's length), got {args.sample_steps}")
+    if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+        raise ValueError(f"--learning-rate must be a positive finite number, got {args.learning_rate}")
+    if not (math.isfinite(args.ema_decay) and 0.0 <= args.ema_decay < 1.0):
+        raise ValueError(f"--ema-decay must be in [0, 1), got {args.ema_decay}")
+    if not (math.isfinite(args.grid_guidance) and args.grid_guidance >= 1.0):
+        raise ValueError(f"--grid-guidance must be a finite number >= 1 (1 = no guidance), got {args.grid_guidance}")
+    parse_ratios(args.ratios)  # raises naming the bad ratio
+    if args.inception_weights is not None and not Path(args.inception_weights).expanduser().is_file():
+        raise FileNotFoundError(f"--inception-weights {args.inception_weights}: no such file")
+    out = Path(args.output_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--output-dir {args.output_dir} is a file; choose a folder")
+
+
 def main(args: argparse.Namespace) -> int:
+    check_args(args)
     start = time.perf_counter()
     out = Path(args.output_dir)
     data = out / "data"

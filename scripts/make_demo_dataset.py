@@ -17,13 +17,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True, help="folder to create (must not exist unless --overwrite)")
     parser.add_argument("--images-per-class", type=int, default=300, help="images in each of the 12 classes")
-    parser.add_argument("--image-size", type=int, default=32, help="square image side in pixels (>= 16)")
-    parser.add_argument("--seed", type=int, default=0, help="image i of class c depends only on (seed, c, i)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output-dir")
+    parser.add_argument("--image-size", type=int, default=32, help="square image side in pixels (20 to 1024)")
+    parser.add_argument("--seed", type=int, default=0, help="image i of class c depends only on (seed, c, i); >= 0")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing demo dataset at --output-dir")
     return parser.parse_args(argv)
 
 
 def main(args: argparse.Namespace) -> None:
+    # make_demo_dataset checks every value (--images-per-class >= 1, --image-size in [20, 1024],
+    # --seed >= 0, --output-dir) before it writes anything.
     start = time.perf_counter()
     path = make_demo_dataset(
         args.output_dir,

@@ -78,3 +78,89 @@ def test_errors_and_script(tmp_path, capsys, load_script):
     with pytest.raises(ValueError, match="unknown demo class"):
         render_demo_image("purple_star", np.random.default_rng(0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+
+
+@pytest.fixture
+def demo_inputs(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "existing").mkdir()
+    (tmp_path / "existing" / "notes.txt").write_text("mine")
+    return {"--output-dir": tmp_path / "shapes", "--images-per-class": "1", "--image-size": "20"}
+
+
+@pytest.mark.parametrize(
+    "change, extra, match",
+    [
+        ({"--images-per-class": "0"}, [], r"--images-per-class\) must be >= 1, got 0"),
+        ({"--images-per-class": "-5"}, [], r"--images-per-class\) must be >= 1"),
+        ({"--images-per-class": "1.5"}, [], "invalid int value"),
+        ({"--image-size": "16"}, [], r"--image-size\) must be in \[20, 1024\], got 16"),
+        ({"--image-size": "0"}, [], r"--image-size\) must be in \[20, 1024\]"),
+        ({"--image-size": "4096"}, [], r"--image-size\) must be in \[20, 1024\], got 4096"),
+        ({"--seed": "-1"}, [], r"--seed\) must be >= 0, got -1"),
+        ({"--output-dir": "{tmp}/existing"}, [], "already exists.*--overwrite"),
+        ({"--output-dir": "{tmp}/existing"}, ["--overwrite"], "not a demo dataset"),
+        ({"--output-dir": "{tmp}/a_file"}, ["--overwrite"], "exists and is not a folder"),
+        ({"--output-dir": "{tmp}/a_file/shapes"}, [], "is a file"),
+    ],
+)
+def test_make_demo_dataset_script_refuses_bad_flags(tmp_path, demo_inputs, refuses, change, extra, match):
+    flags = {**demo_inputs, **{k: v.format(tmp=tmp_path) for k, v in change.items()}}
+    refuses("make_demo_dataset", [item for pair in flags.items() for item in pair] + extra, match)
+
+
+def test_overwrite_replaces_only_a_demo_dataset(tmp_path):
+    out = make_demo_dataset(tmp_path / "shapes", images_per_class=1, image_size=20)
+    make_demo_dataset(out, images_per_class=2, image_size=20, overwrite=True)
+    assert len(list((out / "red_circle").iterdir())) == 2
+    (tmp_path / "empty").mkdir()
+    make_demo_dataset(tmp_path / "empty", images_per_class=1, image_size=20, overwrite=True)  # nothing to lose
+    assert (tmp_path / "empty" / "demo_dataset.json").is_file()
+
+
+# scripts/demo.py: every numeric flag is checked before the dataset is written or a step trained.
+DEMO_BAD_FLAGS = [
+    (["--preset", "MoH-DiT-Huge-Nonexistent"], "--preset .* is not a known preset"),
+    (["--images-per-class", "0"], "--images-per-class must be >= 1, got 0"),
+    (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
+    (["--max-steps", "-10"], "--max-steps must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--learning-rate", "0"], "--learning-rate must be a positive finite number, got 0.0"),
+    (["--learning-rate=-1e-3"], "--learning-rate must be a positive finite number"),
+    (["--learning-rate", "nan"], "--learning-rate must be a positive finite number, got nan"),
+    (["--learning-rate", "inf"], "--learning-rate must be a positive finite number, got inf"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
+    (["--ema-decay", "1.0"], r"--ema-decay must be in \[0, 1\), got 1.0"),
+    (["--ema-decay", "-0.1"], r"--ema-decay must be in \[0, 1\)"),
+    (["--ema-decay", "nan"], r"--ema-decay must be in \[0, 1\), got nan"),
+    (["--grid-guidance", "0.5"], "--grid-guidance must be a finite number >= 1"),
+    (["--grid-guidance", "inf"], "--grid-guidance must be a finite number >= 1"),
+    (["--sample-steps", "0"], "--sample-steps must be >= 1, got 0"),
+    (["--sample-steps", "5000"], "--sample-steps must be at most 1000"),
+    (["--sweep-samples", "3"], "--sweep-samples must be >= 4, got 3"),
+    (["--reference-per-class", "0"], "--reference-per-class must be >= 1, got 0"),
+    (["--ratios", "1.0,1.5"], r"ratio 1.5 must be in \(0, 1\]"),
+    (["--ratios", "1.0,half"], "ratio 'half' is neither a number nor one of"),
+    (["--ratios", " , "], "no ratios given"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--inception-weights", "{tmp}/none.pth"], "--inception-weights .*none.pth: no such file"),
+    (["--output-dir", "{tmp}/a_file"], "--output-dir .*a_file is a file"),
+    (["--max-steps", "ten"], "invalid int value"),
+]
+
+
+@pytest.mark.parametrize("flags, match", DEMO_BAD_FLAGS)
+def test_demo_script_refuses_bad_flags(tmp_path, refuses, flags, match):
+    (tmp_path / "a_file").write_text("x")
+    argv = ["--output-dir", tmp_path / "demo", *[f.format(tmp=tmp_path) for f in flags]]
+    refuses("demo", argv, match)
+
+
+def test_every_allowed_size_has_room_for_every_shape():
+    """At 16 px some draws put the largest shape where it cannot fit (numpy raised mid-dataset)."""
+    from moh_dit.demo_data import MIN_IMAGE_SIZE
+
+    for seed in range(300):
+        render_demo_image("red_circle", np.random.default_rng([seed]), MIN_IMAGE_SIZE)
+    with pytest.raises(ValueError, match="at least 20"):
+        render_demo_image("red_circle", np.random.default_rng(0), 16)
