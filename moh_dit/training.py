@@ -407,14 +407,10 @@ def _load_checkpoint(parts: _Parts, folder: Path) -> None:
     """Restore everything from a verified checkpoint; a file that cannot be loaded is named."""
     acc = parts.accelerator
 
-    def load(name: str, fn: Callable[[Path], None]) -> None:
+    def load(name: str, fn: Callable[[Path], Any]) -> Any:
         path = folder / name
         try:
-            fn(path)
-        except (ValueError, FileNotFoundError) as error:
-            if isinstance(error, CheckpointIntegrityError) or "sampler state" in str(error):
-                raise
-            raise CheckpointIntegrityError(f"cannot load {path}: {type(error).__name__}: {error}") from None
+            return fn(path)
         except Exception as error:  # safetensors' and JSON's parse errors, wrong keys or shapes
             raise CheckpointIntegrityError(f"cannot load {path}: {type(error).__name__}: {error}") from None
 
@@ -427,14 +423,17 @@ def _load_checkpoint(parts: _Parts, folder: Path) -> None:
             load(SCALER_FILE, lambda p: acc.scaler.load_state_dict(_load_json_tree(p)))
         else:
             _warn(f"{folder} has no {SCALER_FILE} (saved without fp16); the loss scale starts afresh.")
-    load(STATE_FILE, lambda p: parts.state.load_state_dict(json.loads(p.read_text(encoding="utf-8"))))
+    train_state = load(STATE_FILE, lambda p: json.loads(p.read_text(encoding="utf-8")))
+    try:
+        parts.state.load_state_dict(train_state)  # the sampler names a changed dataset or seed itself
+    except (KeyError, TypeError, AttributeError) as error:
+        raise CheckpointIntegrityError(f"cannot load {folder / STATE_FILE}: {type(error).__name__}: {error}") from None
     rng = folder / RNG_FILE.format(acc.process_index)
     if rng.is_file():
         load(rng.name, lambda p: _set_rng_state(_load_tree(p)))
     else:
-        print(f"warning: {folder} has no random states for process {acc.process_index} (saved with fewer processes); "
-              "this process keeps its seeded ones, so the run is not bit-identical to an uninterrupted one.",
-              file=sys.stderr)
+        _warn(f"{folder} has no random states for process {acc.process_index} (saved with fewer processes); this "
+              "process keeps its seeded ones, so the run is not bit-identical to an uninterrupted one.")
 
 
 def _warn(message: str) -> None:
@@ -882,6 +881,11 @@ def train(cfg: TrainConfig) -> Path:
     if any(name in kind for name in ("DEEPSPEED", "FSDP", "MEGATRON")):
         raise ValueError(f"accelerate's {accelerator.distributed_type} is not supported by this trainer's checkpoints; "
                          "launch plain data-parallel (accelerate launch --multi_gpu, or torchrun).")
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and accelerator.num_processes == 1:
+        # Every launched process would train alone (and all but one would find the folder busy).
+        raise ValueError(f"launched as {world} processes (WORLD_SIZE={world}) but accelerate sees one; on CPU set "
+                         "ACCELERATE_USE_CPU=1 for torchrun, or use accelerate launch --cpu.")
     lock = _FolderLock(Path(cfg.output_dir))
     try:
         return _train(cfg, accelerator, lock, log_with)

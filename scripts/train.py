@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from moh_dit.cli import EXPECTED_ERRORS, run_cli
@@ -89,7 +90,8 @@ def main(args: argparse.Namespace) -> int:
         print(what, file=sys.stderr)
         return 0
     final = train(cfg)
-    print(f"Done. EMA model: {final}")
+    if os.environ.get("RANK", "0") == "0":  # once, not by every process of a distributed launch
+        print(f"Done. EMA model: {final}")
     return 0
 
 

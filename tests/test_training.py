@@ -567,3 +567,21 @@ def test_every_bad_flag_is_refused_before_any_work(bad_inputs, data, refuses, fl
         flags = flags[2:]
     refuses("train", argv + flags, match)
     assert not (tmp / "run").exists()
+
+
+def test_rotation_only_removes_this_runs_older_checkpoints(tmp_path, data, load_script, capsys):
+    """Checkpoints of another run copied into the folder are skipped by --resume latest and
+    never rotated away; this run keeps its newest --checkpoints-total-limit."""
+    import shutil
+
+    assert run_cli_train(load_script, cli_args(tmp_path / "other", data, "--max-steps", 2, "--seed", 0)) == 0
+    run = tmp_path / "run"
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 2)) == 0
+    shutil.copytree(tmp_path / "other" / "checkpoints" / "step-0000002", run / "checkpoints" / "step-0000001")
+    shutil.copytree(tmp_path / "other" / "checkpoints" / "step-0000002", run / "checkpoints" / "step-0000009")
+    capsys.readouterr()
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 6, "--resume", "latest",
+                                               "--checkpoints-total-limit", 1)) == 0
+    assert re.search(r"step-0000009 belongs to another run", capsys.readouterr().err)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-0000001", "step-0000006", "step-0000009"]
+    assert log_steps(run) == [1, 2, 3, 4, 5, 6]
