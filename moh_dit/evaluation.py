@@ -1325,6 +1325,7 @@ def load_reference(
             )
         return reference
     spec = _inspect_reference(reference)
+    _check_stored_dims(spec, extractor)  # before the reference images are read
     return _compute_reference(spec, extractor, identity, device, batch_size, num_workers, cache_dir, use_cache, progress)
 
 
@@ -1448,6 +1449,9 @@ def _check_statistics(
         )
     if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
         raise ValueError(f"{where}: '{mu_name}' or '{sigma_name}' contains NaN or infinite values")
+    scale = max(float(np.abs(sigma).max(initial=0.0)), np.finfo(np.float64).tiny)
+    if float(np.abs(sigma - sigma.T).max(initial=0.0)) > 1e-5 * scale:  # the tolerance of frechet_distance
+        raise ValueError(f"{where}: '{sigma_name}' is not symmetric, so it is not a covariance matrix")
 
 
 def _check_stored_dims(spec: _ReferenceSpec, extractor: nn.Module) -> None:

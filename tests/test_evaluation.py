@@ -602,6 +602,7 @@ def _adm_reference(path: Path, images: np.ndarray | None, dim: int = 48, spatial
         ({"sigma_s": np.eye(5)}, r"'sigma_s' has shape \(5, 5\) but should be \(6, 6\)"),
         ({"sigma_s": None}, r"has 'mu_s' but no 'sigma_s'"),
         ({"sigma": np.full((48, 48), np.nan)}, "NaN"),
+        ({"sigma": np.triu(np.ones((48, 48)))}, "'sigma' is not symmetric"),
     ],
 )
 def test_bad_reference_statistics_are_refused_before_any_feature(tmp_path, override, match):
