@@ -662,8 +662,8 @@ def _plan_run(cfg: TrainConfig) -> _Plan:
             marker = verify_checkpoint(folder)
         except CheckpointIntegrityError as error:
             raise CheckpointIntegrityError(f"--resume {folder}: {error}") from None
-        newer = [p for s, p in _complete_checkpoints(out / "checkpoints")
-                 if s > marker["step"] and p.resolve() != folder.resolve()]
+        newer = [p for s, p in _complete_checkpoints(out / "checkpoints") if s > marker["step"]
+                 and ((_read_marker(p) or {}).get("run") or {}).get("run_id") == marker["run"]["run_id"]]
         if newer:
             raise ValueError(f"--resume {folder} is at step {marker['step']}, but {out / 'checkpoints'} already holds "
                              f"the newer {newer[-1].name}; continuing from the older one here would mix two histories. "

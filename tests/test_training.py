@@ -585,3 +585,14 @@ def test_rotation_only_removes_this_runs_older_checkpoints(tmp_path, data, load_
     assert re.search(r"step-0000009 belongs to another run", capsys.readouterr().err)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-0000001", "step-0000006", "step-0000009"]
     assert log_steps(run) == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_from_an_older_checkpoint_into_the_same_folder_is_refused(tmp_path, data, load_script, refuses):
+    """It would leave the newer checkpoints of the first history for a later --resume latest."""
+    run = tmp_path / "run"
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 4, "--checkpoints-total-limit", 0)) == 0
+    older = run / "checkpoints" / "step-0000002"
+    refuses("train", cli_args(run, data, "--max-steps", 6, "--resume", older), r"newer step-0000004.*another --output-dir")
+    refuses("train", cli_args(run, data, "--max-steps", 3, "--resume", "latest"), r"--max-steps 3 is below step 4")
+    assert run_cli_train(load_script, cli_args(tmp_path / "branch", data, "--max-steps", 3, "--resume", older)) == 0
+    assert sorted(p.name for p in (tmp_path / "branch" / "checkpoints").iterdir()) == ["step-0000003"]
