@@ -109,8 +109,9 @@ def lock_file(path: str | os.PathLike, create: bool = True) -> int | None:
         raise FileLockedError(path, read_lock_info(path)) from None
     except OSError as error:
         os.close(fd)
-        raise OSError(error.errno, f"cannot lock {path} ({os.strerror(error.errno or 0)}): the file system does not "
-                      "support file locks; use a folder on a local disk or on a file system with lock support") from None
+        raise OSError(error.errno, f"cannot lock {path} ({os.strerror(error.errno or 0)}): the file system does "
+                      "not support file locks; use a folder on a local disk or on a file system with lock "
+                      "support") from None
     return fd
 
 

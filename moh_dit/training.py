@@ -43,7 +43,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from .data import ImageFolderDataset, ResumableSampler, collate_skip_corrupt
-from .io_utils import (FileLockedError, lock_file, read_lock_info, sha256_file, write_json_atomic, write_lines_atomic,
+from .io_utils import (FileLockedError, lock_file, sha256_file, write_json_atomic, write_lines_atomic,
                        write_lock_info)
 from .diffusion import create_diffusion
 from .latents import LatentDataset, load_vae, vae_downsample_factor
@@ -136,17 +136,19 @@ class TrainConfig:
             raise ValueError(f"Unknown preset {self.preset!r}. Known presets: {', '.join(PRESETS)}.")
         if (self.data_dir is None) == (self.latents_dir is None):
             raise ValueError("Give exactly one of --data-dir (an ImageFolder) or --latents-dir (a latent cache).")
-        flag, source = ("--data-dir", self.data_dir) if self.data_dir is not None else ("--latents-dir", self.latents_dir)
+        flag, source = _source(self)
         if not Path(source).exists():
             raise ValueError(f"{flag} {str(source)!r}: the data folder does not exist.")
         if not Path(source).is_dir():
-            raise ValueError(f"{flag} {str(source)!r} is not a folder (expected {'an ImageFolder' if self.data_dir else 'a latent cache'}).")
+            expected = "an ImageFolder" if self.data_dir is not None else "a latent cache"
+            raise ValueError(f"{flag} {str(source)!r} is not a folder (expected {expected}).")
         out = Path(self.output_dir)
         if out.exists() and not out.is_dir():
             raise ValueError(f"--output-dir {str(out)!r} exists and is not a folder; give a folder for the run.")
         if self.data_dir is not None and self.vae.lower() != "none":
             if Path(self.vae).exists() and not Path(self.vae).is_dir():
-                raise ValueError(f"--vae {self.vae!r} is a file; give a VAE folder or hub id, or --vae none for pixel space.")
+                raise ValueError(f"--vae {self.vae!r} is a file; give a VAE folder or hub id, or --vae none for "
+                                 "pixel space.")
         if self.vae_subfolder is not None and (self.data_dir is None or self.vae.lower() == "none"):
             raise ValueError(f"--vae-subfolder {self.vae_subfolder!r} needs a VAE, but the run uses "
                              f"{'--latents-dir' if self.data_dir is None else '--vae none'}; drop --vae-subfolder.")
@@ -465,19 +467,19 @@ def _set_aside(folder: Path, why: str) -> Path:
 
 def _save_checkpoint(parts: _Parts, cfg: TrainConfig, step: int, run: dict[str, Any]) -> Path:
     """All files into '.step-N.tmp', the marker (sizes and SHA-256) last, an atomic rename,
-    a re-check of what landed on disk, and only then rotation of this run's older ones."""
+    a re-check of what landed on disk, and only then rotation of this run's older ones.
+    A failure on any process (a full disk) is raised on all of them, none left at a barrier."""
     accelerator = parts.accelerator
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
     final = ckpt_dir / f"{CHECKPOINT_PREFIX}{step:07d}"
     tmp = ckpt_dir / f".{final.name}.tmp"  # this run's own scratch folder (one run per folder)
-    if accelerator.is_main_process:
+
+    def prepare() -> None:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    accelerator.wait_for_everyone()
-    _write_checkpoint_files(parts, tmp)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+
+    def finish() -> None:
         files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p, fsync=True)}
                  for p in sorted(tmp.iterdir()) if p.is_file()}
         write_json_atomic(tmp / COMPLETE_MARKER, {
@@ -486,14 +488,17 @@ def _save_checkpoint(parts: _Parts, cfg: TrainConfig, step: int, run: dict[str, 
         if final.exists():
             # Only a damaged checkpoint (resume fell back past it) or another run's can be
             # here: keep it under another name.
-            moved = _set_aside(final, "damaged" if _read_marker(final) is None or
-                               (_read_marker(final).get("run") or {}).get("run_id") == run["run_id"] else "other-run")
+            theirs = ((_read_marker(final) or {}).get("run") or {}).get("run_id")
+            moved = _set_aside(final, "damaged" if theirs in (None, run["run_id"]) else "other-run")
             _warn(f"{final} was in the way of the new checkpoint; moved it to {moved}.")
         os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
         verify_checkpoint(final)
         _prune_checkpoints(ckpt_dir, run["run_id"], step, cfg.checkpoints_total_limit)
-    accelerator.wait_for_everyone()
+
+    _on_main(accelerator, prepare)
+    _everywhere(accelerator, lambda: _write_checkpoint_files(parts, tmp))
+    _on_main(accelerator, finish)
     return final
 
 
@@ -633,7 +638,8 @@ def _latest_intact(out: Path, record: dict | None, warnings: list[str]) -> tuple
     if damaged:
         raise CheckpointIntegrityError(
             f"--resume latest: no intact checkpoint in {out / 'checkpoints'}; every one is damaged: "
-            + " ".join(why for _, why in damaged) + " Restore a checkpoint, or start a new run with another --output-dir.")
+            + " ".join(why for _, why in damaged)
+            + " Restore a checkpoint, or start a new run with another --output-dir.")
     return None, None
 
 
@@ -729,7 +735,7 @@ class _FolderLock:
 
 
 _ERRORS = {cls.__name__: cls for cls in (RunFolderBusyError, CheckpointIntegrityError, FileExistsError,
-                                          FileNotFoundError, ValueError, TrainingDivergedError)}
+                                          FileNotFoundError, ValueError, TrainingDivergedError, OSError)}
 
 
 def _on_main(accelerator, fn: Callable[[], Any]) -> Any:
@@ -755,6 +761,25 @@ def _on_main(accelerator, fn: Callable[[], Any]) -> Any:
     if error is not None:
         raise error
     return result
+
+
+def _everywhere(accelerator, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` on every process; if it fails on any of them, raise on all."""
+    error = None
+    try:
+        fn()
+    except Exception as exc:  # reported to the others, then raised here
+        error = exc
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        reports = gather_object([None if error is None else
+                                 f"process {accelerator.process_index}: {type(error).__name__}: {error}"])
+        failed = [r for r in reports if r]
+        if failed and error is None:
+            raise OSError(f"another process failed: {'; '.join(failed)}")
+    if error is not None:
+        raise error
 
 
 def _trim_logs(out: Path, step: int) -> None:
@@ -955,7 +980,8 @@ def _train(cfg: TrainConfig, accelerator, lock: _FolderLock, log_with: str | Non
         if lock.acquire():
             again = _plan_run(cfg)  # another process may have started a run here meanwhile
             if again.resume_from != plan.resume_from:
-                raise FileExistsError(f"--output-dir {out_dir} changed while this run was starting; run the command again.")
+                raise FileExistsError(f"--output-dir {out_dir} changed while this run was starting; "
+                                      "run the command again.")
         for message in plan.warnings:
             _warn(message)
         for message in plan.notes:
@@ -1027,9 +1053,13 @@ def _train(cfg: TrainConfig, accelerator, lock: _FolderLock, log_with: str | Non
             out = model(x_t, t, y, output_load_balance_loss=True, output_head_usage=log_now and is_moh)
         terms = diffusion.training_losses(out.sample, x, x_t, t, noise)
         loss = terms["loss"].mean() + cfg.lb_coeff * out.load_balance_loss
-        if not torch.isfinite(loss):
+        bad = (~torch.isfinite(loss.detach())).float()
+        if accelerator.num_processes > 1:  # decided together: a rank that stopped alone would leave the others waiting
+            bad = accelerator.reduce(bad, "sum")
+        if bad.item():
             raise TrainingDivergedError(
-                f"The loss became {loss.item()} at step {state.step + 1} (mse {terms['mse'].mean().item():.4g}, "
+                f"The loss became {loss.item()} at step {state.step + 1}"
+                f"{' here, NaN/inf on another process' if torch.isfinite(loss) else ''} (mse {terms['mse'].mean().item():.4g}, "
                 f"vb {terms['vb'].mean().item():.4g}, lb {out.load_balance_loss.item():.4g}). "
                 f"The last good checkpoint is {last_ckpt or 'none'}; lower --learning-rate, set --max-grad-norm, "
                 "or use bf16 instead of fp16, then resume."

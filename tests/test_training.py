@@ -596,3 +596,19 @@ def test_resume_from_an_older_checkpoint_into_the_same_folder_is_refused(tmp_pat
     refuses("train", cli_args(run, data, "--max-steps", 3, "--resume", "latest"), r"--max-steps 3 is below step 4")
     assert run_cli_train(load_script, cli_args(tmp_path / "branch", data, "--max-steps", 3, "--resume", older)) == 0
     assert sorted(p.name for p in (tmp_path / "branch" / "checkpoints").iterdir()) == ["step-0000003"]
+
+
+def test_a_file_system_without_locks_is_a_clear_error(tmp_path, data, load_script, monkeypatch, capsys):
+    """NFS mounted without lock support answers flock with ENOLCK: stop, naming the lock file."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    capsys.readouterr()
+    assert run_cli_train(load_script, cli_args(tmp_path / "run", data)) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and re.search(r"cannot lock .*run/\.lock.*does not support file locks", err), err
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "train_config.json").exists()
