@@ -16,12 +16,14 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-__all__ = ["FileLockedError", "atomic_write", "lock_file", "read_lock_info", "sha256_file", "write_bytes_atomic",
-           "write_json_atomic", "write_lines_atomic", "write_lock_info"]
+__all__ = ["FileLockedError", "atomic_write", "lock_file", "publish_folder", "read_lock_info", "sha256_file",
+           "write_bytes_atomic", "write_json_atomic", "write_lines_atomic", "write_lock_info"]
 
 
 @contextlib.contextmanager
@@ -39,6 +41,36 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def publish_folder(path: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
+    """Build a folder in a temporary sibling and rename it to ``path`` when the block succeeds.
+
+    Readers see either no folder, the old one or the complete new one, never a half-written
+    one. With ``replace=True`` an existing ``path`` is first renamed aside and deleted only
+    after the new folder is in place, so a crash at any moment leaves one complete copy
+    (the old one may then remain as ``.NAME.old-*`` beside it). Whether replacing is allowed
+    is the caller's decision, checked before any work; without ``replace`` an existing
+    ``path`` raises FileExistsError. On failure the temporary folder is removed.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists() and not replace:
+            raise FileExistsError(f"{path} already exists; nothing was replaced")
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
