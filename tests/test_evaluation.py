@@ -758,3 +758,93 @@ if not torch.cuda.is_available():
 def test_evaluate_script_refuses_bad_flags(tmp_path, evaluate_inputs, refuses, change, match):
     flags = {**evaluate_inputs, **{k: v.format(tmp=tmp_path) for k, v in change.items()}}
     refuses("evaluate", [item for pair in flags.items() for item in pair], match)
+
+
+# ---------------------------------------------------------------------------------------------
+# The package: every old name, one way in to reference statistics, module boundaries
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_public_name_is_importable_from_the_package():
+    from moh_dit import runtime
+
+    for name in [*ev.__all__, "IMG_EXTENSIONS", "INCEPTION_WEIGHTS_SHA256_PREFIX", "NOT_COMPARABLE",
+                 "FolderImageSource", "NpzImageSource", "PathLike"]:  # fmt: skip
+        assert hasattr(ev, name), name
+    assert ev.tf32_disabled is runtime.tf32_disabled
+
+
+def test_load_reference_checks_given_statistics_as_evaluate_does(tmp_path):
+    extractor = TinyExtractor()
+    ref = ev.load_reference(_write_pngs(tmp_path / "ref", _smooth_images(5, 16))[0].parents[1], extractor, use_cache=False)
+    assert ev.load_reference(ref, extractor) is ref
+    broken = dataclasses.replace(ref, pool=ev.FeatureStatistics(ref.pool.mu, ref.pool.sigma[:-1]))
+    with pytest.raises(ValueError, match=r"'sigma' has shape \(47, 48\)"):
+        ev.load_reference(broken, extractor)
+    other = TinyExtractor()
+    with torch.no_grad():
+        other.proj.add_(1.0)
+    with pytest.raises(ValueError, match="recompute them with the same extractor"):
+        ev.load_reference(ref, other)
+
+
+def test_evaluate_and_load_reference_share_the_reference_cache(tmp_path):
+    _write_pngs(tmp_path / "ref", _smooth_images(6, 16))
+    cache = tmp_path / "cache"
+    extractor = TinyExtractor()
+    loaded = ev.load_reference(tmp_path / "ref", extractor, cache_dir=cache)
+    calls = extractor.calls
+    samples = _noise_images(6, 16)
+    from_path = ev.evaluate(samples, tmp_path / "ref", extractor=extractor, cache_dir=cache)
+    assert from_path.reference_from_cache and len(list(cache.iterdir())) == 1
+    assert extractor.calls == calls + 1  # the one batch of samples; the reference came from the cache
+    from_object = ev.evaluate(samples, loaded, extractor=extractor)
+    for key in ("fid", "sfid", "inception_score", "precision", "recall"):
+        assert getattr(from_object, key) == getattr(from_path, key)
+
+
+def test_downloaded_weights_are_put_in_place_whole(no_weights_anywhere, monkeypatch):
+    import hashlib
+
+    from moh_dit.evaluation import inception
+
+    content = b"stand-in for the published weights"
+    monkeypatch.setattr(inception, "INCEPTION_WEIGHTS_SHA256_PREFIX", hashlib.sha256(content).hexdigest()[:8])
+
+    class Response:
+        def __init__(self):
+            self.data = iter([content[:10], content[10:], b""])
+
+        def read(self, n):
+            return next(self.data)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: Response())
+    assert ev.resolve_inception_weights(download=True) == no_weights_anywhere
+    assert no_weights_anywhere.read_bytes() == content
+    assert list(no_weights_anywhere.parent.iterdir()) == [no_weights_anywhere]  # no temporary file left
+
+
+def test_package_modules_form_no_import_cycle():
+    import ast
+
+    package = ROOT / "moh_dit" / "evaluation"
+    imports = {}
+    for path in package.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        relative = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1]
+        assert all(node.module for node in relative), f"{path.name} imports from the package front"
+        imports[path.stem] = {node.module for node in relative}
+    assert imports["frechet"] == imports["metrics"] == set()  # pure maths
+    for name in ("frechet", "metrics"):
+        assert "torch_fidelity" not in (package / f"{name}.py").read_text()
+    done: set[str] = set()
+    while len(done) < len(imports):  # peel off modules whose imports are all done; a cycle never peels
+        ready = {name for name, needs in imports.items() if name not in done and needs <= done}
+        assert ready, f"import cycle among {sorted(set(imports) - done)}"
+        done |= ready
