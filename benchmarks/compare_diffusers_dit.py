@@ -1,6 +1,6 @@
 """How far a diffusers DiTTransformer2DModel and its conversion to MoHDiTTransformer2DModel differ.
 
-    python scripts/compare_diffusers_dit.py --preset DiT-S/2
+    python benchmarks/compare_diffusers_dit.py --preset DiT-S/2
 
 The conversion folds diffusers' per-block embedders into one and follows the original DiT:
 timestep frequencies exp(-ln(1e4) i / 128) (diffusers: / 127) and LayerNorm eps 1e-6 in the
@@ -15,11 +15,13 @@ import sys
 import tempfile
 
 import torch
-from diffusers import DiTTransformer2DModel
 from diffusers.models.embeddings import get_timestep_embedding
 
+from moh_dit.cli import run_cli
 from moh_dit.convert import convert_checkpoint
 from moh_dit.presets import PRESETS
+
+from common import diffusers_dit, randomize_weights_
 
 
 def compare(preset: str = "DiT-S/2", batch_size: int = 4, seed: int = 0) -> dict[str, float]:
@@ -30,14 +32,8 @@ def compare(preset: str = "DiT-S/2", batch_size: int = 4, seed: int = 0) -> dict
     emb_dit = get_timestep_embedding(t, 256, flip_sin_to_cos=True, downscale_freq_shift=0)
     emb_diffusers = get_timestep_embedding(t, 256, flip_sin_to_cos=True, downscale_freq_shift=1)
     torch.manual_seed(seed)
-    dit = DiTTransformer2DModel(
-        num_attention_heads=cfg["num_attention_heads"], attention_head_dim=cfg["attention_head_dim"],
-        in_channels=cfg["in_channels"], out_channels=2 * cfg["in_channels"], num_layers=cfg["num_layers"],
-        sample_size=cfg["sample_size"], patch_size=cfg["patch_size"], num_embeds_ada_norm=cfg["num_classes"],
-    ).eval()
+    dit = randomize_weights_(diffusers_dit(preset).eval())
     with torch.no_grad():
-        for p in dit.parameters():
-            p.normal_(0, 0.02)
         shared = dit.transformer_blocks[0].norm1.emb.state_dict()
         for block in dit.transformer_blocks[1:]:  # a converted DiT holds identical copies
             block.norm1.emb.load_state_dict(shared)
@@ -75,4 +71,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_args()))
+    sys.exit(run_cli(main, parse_args))

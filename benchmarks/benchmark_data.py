@@ -1,6 +1,6 @@
 """Training-input throughput: encoding images with the VAE on the fly vs reading the latent cache.
 
-    python scripts/benchmark_data.py --num-images 8 --image-size 256
+    python benchmarks/benchmark_data.py --num-images 8 --image-size 256
 
 Uses generated JPEGs and an AutoencoderKL with the SD VAE's architecture (random weights:
 the speed does not depend on them), so it runs offline. Both paths produce the training
@@ -20,12 +20,15 @@ import torch
 from diffusers import AutoencoderKL
 from PIL import Image
 
+from moh_dit.cli import run_cli
 from moh_dit.data import ImageFolderDataset
 from moh_dit.latents import LatentDataset, extract_latents
 
+from common import pick_device, sync
+
 
 def run(num_images: int = 8, image_size: int = 256, batch_size: int = 4, device: str | None = None) -> dict:
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = pick_device(device)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         rng = np.random.default_rng(0)
@@ -47,8 +50,7 @@ def run(num_images: int = 8, image_size: int = 256, batch_size: int = 4, device:
             for i in range(0, num_images, batch_size):
                 batch = torch.stack([images[(j, 0)][0] for j in range(i, min(i + batch_size, num_images))]).to(dev)
                 vae.encode(batch).latent_dist.sample()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        sync(dev)
         on_the_fly = num_images / (time.perf_counter() - start)
 
         extract_latents(tmp / "images", tmp / "vae", tmp / "cache", image_size, batch_size=batch_size, num_workers=0,
@@ -80,4 +82,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_args()))
+    sys.exit(run_cli(main, parse_args))

@@ -1,7 +1,7 @@
 """Time MoH attention against diffusers' dense attention: one layer, then a whole model.
 
-    python scripts/benchmark_attention.py --json attention_benchmark.json
-    python scripts/benchmark_attention.py --quick          # smoke run (CPU: ~15 s)
+    python benchmarks/benchmark_attention.py --json attention_benchmark.json
+    python benchmarks/benchmark_attention.py --quick          # smoke run (CPU: ~15 s)
 
 Layer part: diffusers' ``Attention`` (``AttnProcessor2_0``, SDPA) against ``MoHAttention``
 with the same projection weights, dense-masked (every head computed, unselected ones
@@ -27,12 +27,9 @@ calls can wait for a core that another process holds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
@@ -41,33 +38,16 @@ from diffusers.utils import logging as diffusers_logging
 
 from moh_dit import MoHDiTTransformer2DModel
 from moh_dit.cli import run_cli
+from moh_dit.flops import attention_flops
+from moh_dit.io_utils import write_json_atomic
 from moh_dit.presets import PRESETS
 from moh_dit.sparse_attention import STRATEGIES, MoHSparseAttnProcessor, ideal_flop_ratio
-from moh_dit.transformer_moh_dit import MoHAttention
+from moh_dit.transformer_moh_dit import MoHAttention, min_top_k
+
+from common import interleaved_medians, pick_device, randomize_weights_
 
 WIDTHS = {"XL": (1152, 16, 72), "B": (768, 12, 64)}  # hidden, heads, head_dim
 TARGETS = {"sparse_over_ideal_r05_N1024": 1.15, "sparse_r10": 1.05, "masked": 1.10}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, device: torch.device, warmup: int = 1) -> dict[str, float]:
-    """Median seconds of each function, calling them round-robin ``repeats`` times."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for round_ in range(repeats):
-        for name, fn in list(fns.items())[:: -1 if round_ % 2 else 1]:
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def layer_rows(
@@ -84,7 +64,7 @@ def layer_rows(
     layouts = {}
     for r in ratios:
         k = min(heads, max(1, round(r * heads))) - shared
-        if k < 0 or (shared == 0 and k < 1):
+        if k < min_top_k(heads, shared):
             raise ValueError(f"ratio {r} with --shared-heads {shared} leaves no valid top-K for {heads} heads.")
         moh = MoHAttention(dim, heads, head_dim, num_shared_heads=shared, top_k=k)
         moh.load_state_dict(dense.state_dict(), strict=False)  # same projections; random routers
@@ -124,11 +104,6 @@ def layer_rows(
     return rows
 
 
-def _attention_flops(tokens: int, dim: int, heads: int, head_dim: int, active: float) -> float:
-    inner = heads * head_dim
-    return 2 * tokens * dim * inner * (2 + 2 * active) + 4 * active * tokens**2 * inner
-
-
 def model_flops(model: MoHDiTTransformer2DModel, sparse: bool) -> float:
     """Per-image FLOPs of the blocks (attention with head-sparse ideal or dense, MLP)."""
     cfg = model.config
@@ -138,7 +113,7 @@ def model_flops(model: MoHDiTTransformer2DModel, sparse: bool) -> float:
     shared = model.layer_shared or model.layer_heads
     for h, hs, k in zip(model.layer_heads, shared, model.top_k_per_layer):
         active = (hs + k) / h if sparse else 1.0
-        total += _attention_flops(tokens, dim, h, cfg.attention_head_dim, active)
+        total += attention_flops(tokens, dim, h * cfg.attention_head_dim, active)
         total += 2 * tokens * dim * int(cfg.mlp_ratio * dim) * 2
     return total
 
@@ -154,10 +129,7 @@ def model_rows(
 
     def build(name: str) -> MoHDiTTransformer2DModel:
         torch.manual_seed(seed)
-        model = MoHDiTTransformer2DModel.from_preset(name)
-        with torch.no_grad():  # DiT's init zeroes adaLN and output layers; give them values
-            for p in model.parameters():
-                p.normal_(std=0.02)
+        model = randomize_weights_(MoHDiTTransformer2DModel.from_preset(name))
         return model.to(device=device, dtype=dtype).eval()
 
     dense = build("DiT-B/2")
@@ -274,7 +246,7 @@ def main(args: argparse.Namespace) -> dict:
     diffusers_logging.set_verbosity_error()  # ModelMixin.to(dtype) warns even for float32
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(args.device)
     cuda = device.type == "cuda"
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     batch = args.batch_size or (8 if cuda else 4)
@@ -298,7 +270,7 @@ def main(args: argparse.Namespace) -> dict:
     models = [] if args.no_model else model_rows(model_batch, repeats, device, dtype, args.quick, strategies=strategies)
     result = dict(
         machine=machine(device), device=str(device), dtype=str(dtype).replace("torch.", ""), repeats=repeats,
-        command="python scripts/benchmark_attention.py " + " ".join(sys.argv[1:]) if __name__ == "__main__" else None,
+        command="python benchmarks/benchmark_attention.py " + " ".join(sys.argv[1:]) if __name__ == "__main__" else None,
         load_average=dict(before=load_before, after=os.getloadavg()[0] if hasattr(os, "getloadavg") else None),
         layers=layers, model=models, targets=check_targets(layers),
     )
@@ -326,10 +298,7 @@ def main(args: argparse.Namespace) -> dict:
     if args.markdown:
         print("\n" + markdown(result))
     if args.json:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(tmp, args.json)
+        write_json_atomic(args.json, result)
     return result
 
 

@@ -1,8 +1,8 @@
 """Forward (or training-step) time of MoH-DiT vs diffusers' DiTTransformer2DModel of the
 same size, in one run.
 
-    python scripts/benchmark_model.py --size S --batch-size 4 --repeats 7
-    python scripts/benchmark_model.py --size XL --batch-size 32 --train --autocast bf16   # on a GPU
+    python benchmarks/benchmark_model.py --size S --batch-size 4 --repeats 7
+    python benchmarks/benchmark_model.py --size XL --batch-size 32 --train --autocast bf16   # on a GPU
 
 ``--train`` times one optimisation step per call (forward in train mode, MSE on the
 output plus, for MoH, 0.01 x the load-balance loss as in training, backward, AdamW step),
@@ -22,40 +22,26 @@ routed heads are picked roughly uniformly.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
-import time
 
 import torch
-from diffusers import DiTTransformer2DModel
 
 from moh_dit import MoHDiTTransformer2DModel
 from moh_dit.cli import run_cli
+from moh_dit.io_utils import write_json_atomic
 from moh_dit.presets import PRESETS
 
-
-def diffusers_dit(preset: str) -> DiTTransformer2DModel:
-    cfg = PRESETS[preset]
-    return DiTTransformer2DModel(
-        num_attention_heads=cfg["num_attention_heads"], attention_head_dim=cfg["attention_head_dim"],
-        in_channels=cfg["in_channels"], out_channels=2 * cfg["in_channels"], num_layers=cfg["num_layers"],
-        sample_size=cfg["sample_size"], patch_size=cfg["patch_size"], num_embeds_ada_norm=cfg["num_classes"],
-    )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from common import diffusers_dit, interleaved_times, pick_device, randomize_weights_
 
 
 def run(
     size: str = "S", batch_size: int = 4, repeats: int = 7, device: str | None = None, dtype: str = "float32",
     train: bool = False, autocast: str | None = None, cuda_graph: bool = False, head_sparse: bool = True,
 ) -> dict:
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = pick_device(device)
     dt = getattr(torch, dtype)
     if train and dt != torch.float32:
         raise ValueError("--train keeps float32 master weights; use --autocast bf16|fp16 for mixed precision.")
@@ -80,9 +66,7 @@ def run(
             models[name].set_sparse_inference(True)
             models[name + " (head-sparse)"] = models.pop(name)
     for m in models.values():
-        for p in m.parameters():  # non-zero adaLN/output so nothing short-circuits
-            torch.nn.init.normal_(p, std=0.02)
-        m.to(dev).train(train)
+        randomize_weights_(m).to(dev).train(train)
         if dt != torch.float32:
             m.to(dt)
     cfg = PRESETS[f"DiT-{size}/2"]
@@ -95,18 +79,8 @@ def run(
         for name in [n for n in calls if "head-sparse" not in n]:
             calls[name + " (CUDA graph)"] = _graphed(models[name], x, t, y)
             models[name + " (CUDA graph)"] = models[name]
-    times: dict[str, list[float]] = {k: [] for k in models}
-    with torch.inference_mode(not train):
-        for call in calls.values():  # warm-up (twice: AdamW allocates its state on the first step)
-            call()
-            call()
-        for _ in range(repeats):
-            for name, call in calls.items():
-                _sync(dev)
-                start = time.perf_counter()
-                call()
-                _sync(dev)
-                times[name].append(time.perf_counter() - start)
+    with torch.inference_mode(not train):  # warm-up twice: AdamW allocates its state on the first step
+        times = interleaved_times(calls, repeats, dev, warmup=2, alternate=False)
     rows = []
     for name, ts in times.items():
         med = statistics.median(ts)
@@ -188,10 +162,7 @@ def main(args: argparse.Namespace) -> int:
     for r in result["rows"]:
         print(f"{r['model']:<40} {r['median_ms']:>9.1f} {r['ratio_to_diffusers']:>12.3f}x {r['head_activation']:>9.4f}")
     if args.json:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(tmp, args.json)
+        write_json_atomic(args.json, result)
     return 0
 
 
