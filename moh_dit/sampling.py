@@ -34,6 +34,7 @@ import PIL.Image
 import torch
 from tqdm.auto import tqdm
 
+from .head_activation import head_activation, preview_head_activation
 from .io_utils import atomic_write, write_json_atomic
 from .latents import load_vae
 from .pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, SEED_RANGE, MoHDiTPipeline, make_scheduler
@@ -51,6 +52,7 @@ __all__ = [
     "save_png_atomic",
     "write_adm_npz",
     "load_pipeline",
+    "head_activation",
     "preview_head_activation",
     "run_identity",
     "check_or_write_settings",
@@ -269,18 +271,6 @@ def _load_vae(vae: str | None):
     if vae is None or vae.lower() == "none":
         return None
     return load_vae(vae)
-
-
-def preview_head_activation(transformer: MoHDiTTransformer2DModel, ratio: float | None) -> tuple[float, list[int]]:
-    """The realised ratio and per-layer top-K that ``ratio`` would give, leaving the model as
-    it was. Raises ValueError (naming the reachable range) for an unreachable ratio."""
-    saved = transformer.top_k_per_layer
-    try:
-        realised = transformer.set_head_activation_ratio(ratio) if ratio is not None else transformer.head_activation_ratio
-        return realised, transformer.top_k_per_layer
-    finally:
-        if transformer.is_moh:
-            transformer.set_head_activation_ratio(None, overrides=dict(enumerate(saved)))
 
 
 def run_identity(pipe: MoHDiTPipeline, settings: SampleSettings, model: str) -> dict[str, Any]:

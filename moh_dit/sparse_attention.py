@@ -48,6 +48,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .flops import attention_flops
+
 __all__ = [
     "MoHRouting",
     "dense_masked_attention",
@@ -77,10 +79,9 @@ _JAGGED_TAKES_SEQLEN = "max_seqlen" in inspect.signature(torch.nested.nested_ten
 def ideal_flop_ratio(tokens: int, hidden: int, inner: int, ratio: float) -> float:
     """Head-sparse / dense FLOPs of one attention layer when a fraction ``ratio`` of the
     (token, head) pairs is active: Q and output projections and the attention core scale
-    with ``ratio``, K and V projections do not (docs/design.md, section 4)."""
-    dense = 2 * tokens * hidden * inner * 4 + 4 * tokens**2 * inner
-    sparse = 2 * tokens * hidden * inner * (2 + 2 * ratio) + 4 * ratio * tokens**2 * inner
-    return sparse / dense
+    with ``ratio``, K and V projections do not (:func:`moh_dit.flops.attention_flops`;
+    docs/design.md, section 4)."""
+    return attention_flops(tokens, hidden, inner, ratio) / attention_flops(tokens, hidden, inner)
 
 
 # --------------------------------------------------------------------------------------

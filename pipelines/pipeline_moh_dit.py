@@ -41,6 +41,7 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
+from moh_dit.head_activation import head_activation
 from moh_dit.transformer_moh_dit import MoHDiTTransformer2DModel
 
 __all__ = [
@@ -169,6 +170,19 @@ class MoHDiTPipelineOutput(BaseOutput):
     images: list[PIL.Image.Image] | np.ndarray | torch.Tensor
     head_activation_ratio: float
     head_usage: list[torch.Tensor]
+
+
+@dataclass
+class _SamplingRun:
+    """What every denoising step of one ``__call__`` needs, fixed before the first step."""
+
+    ids: list[int]  # class ids of the B images
+    labels_in: torch.Tensor  # (B,) or, guided, (2B,) with the null class for the second half
+    guided: bool
+    guidance_scale: float
+    num_guided: int  # eps channels that guidance acts on
+    use_variance: bool  # the scheduler consumes the variance channels (DDPM learned range)
+    step_kwargs: dict[str, Any]
 
 
 class MoHDiTPipeline(DiffusionPipeline):
@@ -326,15 +340,12 @@ class MoHDiTPipeline(DiffusionPipeline):
         """Eval mode (no label dropout) and the requested routed top-K for one call; both
         restored on exit, also on error."""
         model = self.transformer
-        saved_top_k = model.top_k_per_layer
         was_training = model.training
-        realised = model.set_head_activation_ratio(ratio) if ratio is not None else model.head_activation_ratio
         try:
-            model.eval()
-            yield realised
+            with head_activation(model, ratio) as realised:
+                model.eval()
+                yield realised
         finally:
-            if model.is_moh:
-                model.set_head_activation_ratio(None, overrides=dict(enumerate(saved_top_k)))
             model.train(was_training)
 
     def _uses_learned_variance(self) -> bool:
@@ -408,43 +419,12 @@ class MoHDiTPipeline(DiffusionPipeline):
             raise ValueError(f"guidance_channels={guidance_channels!r}; choose one of {GUIDANCE_CHANNELS}.")
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type={output_type!r}; choose one of {OUTPUT_TYPES}.")
-        train_steps = int(getattr(self.scheduler.config, "num_train_timesteps", 1000))
-        if timesteps is None:
-            if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, numbers.Integral) \
-                    or num_inference_steps < 1:
-                raise ValueError(f"num_inference_steps must be a positive int; got {num_inference_steps!r}.")
-            if num_inference_steps > train_steps:
-                raise ValueError(
-                    f"num_inference_steps={num_inference_steps} is more than the {train_steps} diffusion steps the "
-                    f"model was trained with; use 1..{train_steps}."
-                )
-        else:
-            if "timesteps" not in inspect.signature(self.scheduler.set_timesteps).parameters:
-                raise ValueError(f"{type(self.scheduler).__name__} does not accept custom timesteps; use num_inference_steps.")
-            steps = list(timesteps.tolist() if torch.is_tensor(timesteps) or isinstance(timesteps, np.ndarray) else timesteps)
-            if not steps or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in steps):
-                raise ValueError(f"timesteps must be a non-empty list of ints; got {timesteps!r}.")
-            if not all(0 <= t < train_steps for t in steps) or any(a <= b for a, b in zip(steps, steps[1:])):
-                raise ValueError(
-                    f"timesteps must be strictly descending ints in [0, {train_steps - 1}] (the model's diffusion "
-                    f"steps); got {steps[:8]}{' ...' if len(steps) > 8 else ''}."
-                )
+        self._check_steps(num_inference_steps, timesteps)
         eta_value = _real(eta)
         # DDIM's sigma grows with eta; past 1 the direction term's square root goes negative.
         if eta_value is None or not 0.0 <= eta_value <= 1.0:
             raise ValueError(f"eta={eta!r} must be a number in [0, 1] (DDIM's eta; 0 = deterministic).")
-        if seeds is not None:
-            if generator is not None:
-                raise ValueError("Pass either `seeds` or `generator`, not both.")
-            seeds = list(seeds)
-            low, high = SEED_RANGE
-            for seed in seeds:
-                if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not low <= int(seed) <= high:
-                    raise ValueError(f"seeds must be ints in [{low}, {high}] (torch.Generator's range); got {seed!r}.")
-            if len(seeds) != batch:
-                raise ValueError(f"Got {len(seeds)} seeds for {batch} class labels; give one seed per image.")
-        if isinstance(generator, list) and len(generator) != batch:
-            raise ValueError(f"Got a list of {len(generator)} generators for {batch} class labels; give one per image.")
+        self._check_randomness(batch, generator, seeds)
         channels, size = self.transformer.config.in_channels, self.transformer.config.sample_size
         if latents is not None:
             if not torch.is_tensor(latents):
@@ -463,6 +443,46 @@ class MoHDiTPipeline(DiffusionPipeline):
                     f"head_activation_ratio={head_activation_ratio} is outside this model's reachable range "
                     f"[{low:.4f}, {high:.4f}]."
                 )
+
+    def _check_steps(self, num_inference_steps: int | None, timesteps: Sequence[int] | None) -> None:
+        """``num_inference_steps`` (or the explicit ``timesteps``) within the model's diffusion steps."""
+        train_steps = int(getattr(self.scheduler.config, "num_train_timesteps", 1000))
+        if timesteps is None:
+            if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, numbers.Integral) \
+                    or num_inference_steps < 1:
+                raise ValueError(f"num_inference_steps must be a positive int; got {num_inference_steps!r}.")
+            if num_inference_steps > train_steps:
+                raise ValueError(
+                    f"num_inference_steps={num_inference_steps} is more than the {train_steps} diffusion steps the "
+                    f"model was trained with; use 1..{train_steps}."
+                )
+            return
+        if "timesteps" not in inspect.signature(self.scheduler.set_timesteps).parameters:
+            raise ValueError(f"{type(self.scheduler).__name__} does not accept custom timesteps; use num_inference_steps.")
+        steps = list(timesteps.tolist() if torch.is_tensor(timesteps) or isinstance(timesteps, np.ndarray) else timesteps)
+        if not steps or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in steps):
+            raise ValueError(f"timesteps must be a non-empty list of ints; got {timesteps!r}.")
+        if not all(0 <= t < train_steps for t in steps) or any(a <= b for a, b in zip(steps, steps[1:])):
+            raise ValueError(
+                f"timesteps must be strictly descending ints in [0, {train_steps - 1}] (the model's diffusion "
+                f"steps); got {steps[:8]}{' ...' if len(steps) > 8 else ''}."
+            )
+
+    @staticmethod
+    def _check_randomness(batch: int, generator, seeds: Sequence[int] | None) -> None:
+        """One seed (or one generator, when a list is given) per image; seeds in torch's range."""
+        if seeds is not None:
+            if generator is not None:
+                raise ValueError("Pass either `seeds` or `generator`, not both.")
+            seeds = list(seeds)
+            low, high = SEED_RANGE
+            for seed in seeds:
+                if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not low <= int(seed) <= high:
+                    raise ValueError(f"seeds must be ints in [{low}, {high}] (torch.Generator's range); got {seed!r}.")
+            if len(seeds) != batch:
+                raise ValueError(f"Got {len(seeds)} seeds for {batch} class labels; give one seed per image.")
+        if isinstance(generator, list) and len(generator) != batch:
+            raise ValueError(f"Got a list of {len(generator)} generators for {batch} class labels; give one per image.")
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Final latents -> images in [-1, 1] (B, C, H, W); the identity for pixel-space models."""
@@ -525,83 +545,111 @@ class MoHDiTPipeline(DiffusionPipeline):
                 accelerators through a flag kept on the device and read once after the loop,
                 so that sampling makes no per-step host sync (see ``_FiniteWatch``).
         """
-        # ---- validate everything before any compute (diffusers' convention: check_inputs)
         self.check_inputs(
             class_labels, guidance_scale, num_inference_steps, head_activation_ratio=head_activation_ratio,
             generator=generator, seeds=seeds, latents=latents, guidance_channels=guidance_channels,
             timesteps=timesteps, eta=eta, output_type=output_type,
         )
-        ids = self.get_label_ids(class_labels)
-        batch = len(ids)
-        guidance_scale = float(guidance_scale)
         if seeds is not None:
             generator = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
-        channels, size = self.transformer.config.in_channels, self.transformer.config.sample_size
-        use_variance = self._uses_learned_variance()
-
-        device = self._execution_device
-        dtype = self.transformer.dtype
-        guided = guidance_scale > 1.0
-        num_guided = channels if guidance_channels == "all" else min(3, channels)
-        null = self.transformer.config.num_classes
-        labels = torch.tensor(ids, device=device)
-        labels_in = torch.cat([labels, torch.full_like(labels, null)]) if guided else labels
-
-        # The state is kept in float32 whatever the model dtype: the sampler's arithmetic
-        # (and the noise draws, which must not depend on the compute dtype) stay exact.
-        if latents is None:
-            latents = randn_tensor((batch, channels, size, size), generator=generator, device=device, dtype=torch.float32)
-        x = latents.to(device=device, dtype=torch.float32)
+        run = self._prepare_run(self.get_label_ids(class_labels), float(guidance_scale), guidance_channels, generator, eta)
+        x = self._initial_latents(len(run.ids), generator, latents)
         if timesteps is None:
             self.scheduler.set_timesteps(num_inference_steps)
         else:
             self.scheduler.set_timesteps(timesteps=[int(t) for t in timesteps])
-        step_kwargs = self._step_kwargs(generator, eta)
-
-        usage_sum: list[torch.Tensor] | None = None
-        calls = 0
-        timesteps_run = self.scheduler.timesteps
-        watch = _FiniteWatch(x.device, len(timesteps_run))
         with self._sampling_state(head_activation_ratio) as realised:
-            for index, t in enumerate(self.progress_bar(timesteps_run)):
-                model_in = torch.cat([x, x]) if guided else x
-                model_in = self.scheduler.scale_model_input(model_in, t)
-                t_in = torch.as_tensor(t, device=device).reshape(1).expand(model_in.shape[0])
-                out = self.transformer(model_in.to(dtype), timestep=t_in, class_labels=labels_in, output_head_usage=True)
-                pred = out.sample.float()  # (B or 2B, C or 2C, H, W)
-                if guided:
-                    cond, uncond = pred.chunk(2)
-                    eps = uncond[:, :num_guided] + guidance_scale * (cond[:, :num_guided] - uncond[:, :num_guided])
-                    pred = torch.cat([eps, cond[:, num_guided:]], dim=1)  # (B, C or 2C, H, W)
-                if not use_variance:
-                    pred = pred[:, :channels]
-                x = self.scheduler.step(pred, t, x, **step_kwargs).prev_sample
-                used = [u.float() for u in out.head_usage]
-                usage_sum = used if usage_sum is None else [s + u for s, u in zip(usage_sum, used)]
-                calls += 1
-                if watch.update(index, x):
-                    break
-
-        bad = watch.first_bad_step()
-        if bad is not None:
-            self.maybe_free_model_hooks()
-            raise NonFiniteLatentsError(
-                f"sampling produced NaN/inf latents at step {bad + 1} of {len(timesteps_run)} (step index {bad}, "
-                f"timestep {int(timesteps_run[bad])}); no images are returned. A guidance scale too large for "
-                f"float32 (guidance_scale={guidance_scale:g}) or NaN/inf in the model's weights or the given "
-                "latents causes this: lower the guidance scale or check the checkpoint."
-            )
-
-        head_usage = [(s / calls).cpu() for s in usage_sum] if usage_sum is not None else []
-        if output_type == "latent":
-            images = x
-        else:
-            images = (self.decode(x).float() / 2 + 0.5).clamp(0, 1)  # (B, C, H, W) in [0, 1]
-            if output_type != "pt":
-                images = images.cpu().permute(0, 2, 3, 1).numpy()
-                if output_type == "pil":
-                    images = self.numpy_to_pil(images)
+            x, head_usage, watch = self._denoise(run, x)
+        self._raise_if_non_finite(watch, run.guidance_scale)
+        images = self._output_images(x, output_type)
         self.maybe_free_model_hooks()
         if not return_dict:
             return images, realised, head_usage
         return MoHDiTPipelineOutput(images=images, head_activation_ratio=realised, head_usage=head_usage)
+
+    # ------------------------------------------------------------------ the steps of a call
+    def _prepare_run(
+        self, ids: list[int], guidance_scale: float, guidance_channels: str, generator, eta: float
+    ) -> _SamplingRun:
+        """What every denoising step of one call needs, fixed before the first."""
+        guided = guidance_scale > 1.0
+        channels = self.transformer.config.in_channels
+        labels = torch.tensor(ids, device=self._execution_device)
+        null = self.transformer.config.num_classes
+        return _SamplingRun(
+            ids=ids,
+            labels_in=torch.cat([labels, torch.full_like(labels, null)]) if guided else labels,
+            guided=guided,
+            guidance_scale=guidance_scale,
+            num_guided=channels if guidance_channels == "all" else min(3, channels),
+            use_variance=self._uses_learned_variance(),
+            step_kwargs=self._step_kwargs(generator, eta),
+        )
+
+    def _initial_latents(self, batch: int, generator, latents: torch.Tensor | None) -> torch.Tensor:
+        """(B, C, H, W) float32 initial noise on the execution device: ``latents`` or drawn.
+
+        The state is kept in float32 whatever the model dtype: the sampler's arithmetic (and
+        the noise draws, which must not depend on the compute dtype) stay exact."""
+        channels, size = self.transformer.config.in_channels, self.transformer.config.sample_size
+        device = self._execution_device
+        if latents is None:
+            latents = randn_tensor((batch, channels, size, size), generator=generator, device=device, dtype=torch.float32)
+        return latents.to(device=device, dtype=torch.float32)
+
+    def _denoise(self, run: _SamplingRun, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], _FiniteWatch]:
+        """The denoising loop over the scheduler's timesteps: the final (B, C, H, W) latents,
+        each layer's head usage averaged over the transformer calls, and the finite watch."""
+        usage_sum: list[torch.Tensor] | None = None
+        calls = 0
+        watch = _FiniteWatch(x.device, len(self.scheduler.timesteps))
+        for index, t in enumerate(self.progress_bar(self.scheduler.timesteps)):
+            x, used = self._denoise_step(run, x, t)
+            usage_sum = used if usage_sum is None else [s + u for s, u in zip(usage_sum, used)]
+            calls += 1
+            if watch.update(index, x):
+                break
+        head_usage = [(s / calls).cpu() for s in usage_sum] if usage_sum is not None else []
+        return x, head_usage, watch
+
+    def _denoise_step(self, run: _SamplingRun, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One transformer call (both halves when guided) and one scheduler step: the next
+        (B, C, H, W) latents and this call's per-layer head usage."""
+        channels, num_guided = self.transformer.config.in_channels, run.num_guided
+        model_in = torch.cat([x, x]) if run.guided else x
+        model_in = self.scheduler.scale_model_input(model_in, t)
+        t_in = torch.as_tensor(t, device=self._execution_device).reshape(1).expand(model_in.shape[0])
+        out = self.transformer(model_in.to(self.transformer.dtype), timestep=t_in, class_labels=run.labels_in,
+                               output_head_usage=True)
+        pred = out.sample.float()  # (B or 2B, C or 2C, H, W)
+        if run.guided:
+            cond, uncond = pred.chunk(2)
+            eps = uncond[:, :num_guided] + run.guidance_scale * (cond[:, :num_guided] - uncond[:, :num_guided])
+            pred = torch.cat([eps, cond[:, num_guided:]], dim=1)  # (B, C or 2C, H, W)
+        if not run.use_variance:
+            pred = pred[:, :channels]
+        x = self.scheduler.step(pred, t, x, **run.step_kwargs).prev_sample
+        return x, [u.float() for u in out.head_usage]
+
+    def _raise_if_non_finite(self, watch: _FiniteWatch, guidance_scale: float) -> None:
+        bad = watch.first_bad_step()
+        if bad is None:
+            return
+        self.maybe_free_model_hooks()
+        timesteps = self.scheduler.timesteps
+        raise NonFiniteLatentsError(
+            f"sampling produced NaN/inf latents at step {bad + 1} of {len(timesteps)} (step index {bad}, "
+            f"timestep {int(timesteps[bad])}); no images are returned. A guidance scale too large for "
+            f"float32 (guidance_scale={guidance_scale:g}) or NaN/inf in the model's weights or the given "
+            "latents causes this: lower the guidance scale or check the checkpoint."
+        )
+
+    def _output_images(self, x: torch.Tensor, output_type: str):
+        """Final latents -> ``output_type`` (``"latent"``: ``x`` itself)."""
+        if output_type == "latent":
+            return x
+        images = (self.decode(x).float() / 2 + 0.5).clamp(0, 1)  # (B, C, H, W) in [0, 1]
+        if output_type == "pt":
+            return images
+        images = images.cpu().permute(0, 2, 3, 1).numpy()  # (B, H, W, C)
+        return self.numpy_to_pil(images) if output_type == "pil" else images
