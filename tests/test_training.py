@@ -15,6 +15,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import moh_dit.training as training
+import moh_dit.training.checkpoints as training_checkpoints
+import moh_dit.training.loop as training_loop
 from moh_dit import MoHDiTTransformer2DModel
 from moh_dit.diffusion import create_diffusion
 from moh_dit.training import TrainConfig, TrainingDivergedError, find_latest_checkpoint, train
@@ -156,13 +158,13 @@ def test_resume_is_exact_after_a_crash(tmp_path, data, monkeypatch):
             raise _Crash
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(training, "update_ema", crashing_update)
+    monkeypatch.setattr(training_loop, "update_ema", crashing_update)
     two = config(tmp_path, data, max_steps=6, checkpoint_every=3, log_every=1, output_dir=str(tmp_path / "two"))
     with pytest.raises(_Crash):
         train(two)
     assert find_latest_checkpoint(tmp_path / "two").name == "step-0000003"
     assert log_steps(tmp_path / "two") == [1, 2, 3, 4]
-    monkeypatch.setattr(training, "update_ema", real_update)
+    monkeypatch.setattr(training_loop, "update_ema", real_update)
     torch.manual_seed(999)  # the restart's global RNG state must not matter
     train(config(tmp_path, data, max_steps=6, checkpoint_every=3, log_every=1, output_dir=str(tmp_path / "two"),
                  resume="latest"))
@@ -200,7 +202,7 @@ def test_interrupted_checkpoint_is_ignored(tmp_path, data, monkeypatch):
         Path(filename).write_bytes(b"half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(training, "save_file", broken_save)
+    monkeypatch.setattr(training_checkpoints, "save_file", broken_save)
     with pytest.raises(OSError, match="disk full"):
         train(config(tmp_path, data, max_steps=4, checkpoint_every=2, resume="latest"))
     assert find_latest_checkpoint(tmp_path / "run").name == "step-0000002"
@@ -321,7 +323,7 @@ def test_second_run_into_a_busy_folder_is_refused(tmp_path, data, monkeypatch, r
                                           rf"{re.escape(str(run))}.*in use.*pid {os.getpid()}")
             assert tree_state(run) == before
 
-    monkeypatch.setattr(training, "update_ema", update_and_intrude)
+    monkeypatch.setattr(training_loop, "update_ema", update_and_intrude)
     train(config(tmp_path, data, log_every=1))
     assert socket.gethostname() in seen[0] and "started" in seen[0]
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step-0000002", "step-0000004"]

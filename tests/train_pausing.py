@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-import moh_dit.training as training
+import moh_dit.training.loop as training_loop
 
 PAUSE_AFTER = int(os.environ.get("MOH_DIT_TEST_PAUSE_AFTER", "0"))
-_real_save = training._save_checkpoint
+_real_save = training_loop.save_checkpoint
 
 
 def _save_then_pause(parts, cfg, step, run):
@@ -26,7 +26,7 @@ def _save_then_pause(parts, cfg, step, run):
     return path
 
 
-training._save_checkpoint = _save_then_pause
+training_loop.save_checkpoint = _save_then_pause  # where the step loop looks it up
 
 if __name__ == "__main__":
     pid_dir = os.environ.get("MOH_DIT_TEST_PID_DIR")

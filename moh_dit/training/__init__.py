@@ -1,0 +1,41 @@
+"""Class-conditional latent (or pixel) diffusion training of MoH-DiT / DiT on accelerate.
+
+The recipe is DiT's (Peebles & Xie, *Scalable Diffusion Models with Transformers*, ICCV 2023),
+which the MoH paper (Jin et al., *MoH: Multi-Head Attention as Mixture-of-Head Attention*,
+ICML 2025) keeps for MoH-DiT; docs/design.md section 5 has it in full: AdamW at a constant
+1e-4 without weight decay, EMA 0.9999 starting as an exact copy, class dropout 0.1, ADM
+centre crop and horizontal flips, 1000-step linear diffusion with learned-range variance,
+loss = MSE(eps) + VB, plus ``lb_coeff`` times the model's load-balance loss.
+
+The run folder (docs/training.md) belongs to one run: while ``train`` runs it holds an
+OS lock on ``OUT/.lock``; a second run into the folder, or a new run over a finished one,
+is refused. To resume, run the same command again with ``--resume latest``: checkpoints
+hold the model, EMA, optimiser, LR schedule, step, data position and every process's RNG
+states, so a resumed run continues bit for bit (tested on CPU, with one and two processes).
+Checkpoints are safetensors and JSON only -- nothing is unpickled -- written into a temporary
+folder that is renamed into place when complete; their marker ``checkpoint.json`` records
+every file's size and SHA-256, which a resume checks before it loads anything.
+
+Reading order of the modules:
+
+- ``config``: :class:`TrainConfig`, every option, checked before any work;
+- ``trainer``: :func:`train`, the run as a sequence of named steps;
+- ``run_folder``: the run's plan (new run, resume, refusals), its lock and its record;
+- ``checkpoints``: writing, verifying, loading and rotating checkpoints;
+- ``loop``: the step loop -- one training step, its log, sample grid and checkpoint;
+- ``processes``: decisions shared by all processes; ``errors``: the trainer's errors.
+"""
+
+from __future__ import annotations
+
+from .checkpoints import (CHECKPOINT_FORMAT, CHECKPOINT_PREFIX, COMPLETE_MARKER, EMA_FILE, MODEL_FILE, OPTIMIZER_FILE,
+                          REQUIRED_FILES, RNG_FILE, SCALER_FILE, SCHEDULER_FILE, STATE_FILE, find_latest_checkpoint,
+                          verify_checkpoint)
+from .config import DIFFUSION_STEPS, TrainConfig
+from .errors import CheckpointIntegrityError, RunFolderBusyError, TrainingDivergedError
+from .loop import sample_grid, update_ema
+from .run_folder import LOCK_FILE, LOG_FILES, RUN_RECORD, preflight
+from .trainer import train
+
+__all__ = ["TrainConfig", "train", "find_latest_checkpoint", "verify_checkpoint", "preflight", "TrainingDivergedError",
+           "RunFolderBusyError", "CheckpointIntegrityError"]

@@ -1,0 +1,243 @@
+"""The step loop: one optimiser step per batch, then its log, sample grid and checkpoint.
+
+Each concern is one function, in the order :func:`run_loop` calls them: :func:`_next_batch`
+(data position, VAE encoding), :func:`_train_step` (loss, finite check, update, EMA),
+:func:`_log_window` (averages over the steps since the last log, head usage),
+:func:`_save_sample_grid` and the checkpoint. The order of random draws is the one a resumed
+run replays, so nothing here may add, drop or reorder one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ..io_utils import atomic_write
+from .checkpoints import Parts, save_checkpoint
+from .config import TrainConfig
+from .errors import TrainingDivergedError
+
+
+@torch.no_grad()
+def update_ema(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
+    """ema <- decay * ema + (1 - decay) * model, parameter by parameter (DiT's constant decay)."""
+    ema_params = dict(ema.named_parameters())
+    for name, param in model.named_parameters():
+        ema_params[name].mul_(decay).add_(param.detach().to(ema_params[name].dtype), alpha=1 - decay)
+
+
+@torch.no_grad()
+def sample_grid(model, diffusion, num_classes: int, latent_shape, vae=None, steps: int = 50, per_class: int = 1,
+                seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Images in [0, 1] (N, 3, H, W) from ``model`` with a respaced DDPM, one row per seed,
+    classes in order (up to 16), no guidance. For monitoring, not evaluation."""
+    sampler = diffusion.respace(steps)
+    classes = list(range(min(num_classes, 16)))
+    labels = torch.tensor(classes * per_class, device=device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn((len(labels), *latent_shape), generator=gen).to(device)
+    timestep_map = sampler.timestep_map.to(device)
+    for i in reversed(range(sampler.num_timesteps)):
+        t = torch.full((len(labels),), i, device=device, dtype=torch.long)
+        out = model(x, timestep_map[t], labels).sample
+        noise = torch.randn(x.shape, generator=gen).to(device)
+        # IDDPM clips the predicted image to [-1, 1] in pixel space; DiT does not clip latents.
+        x = sampler.p_sample(out.float(), x.float(), t, noise=noise, clip_denoised=vae is None)["sample"]
+    if vae is not None:
+        x = vae.decode(x / vae.config.scaling_factor).sample
+    return ((x.clamp(-1, 1) + 1) / 2).float().cpu()
+
+
+@dataclass
+class LatentSpace:
+    """What the model denoises: latents of ``vae`` scaled by ``scaling`` (encoded on the fly),
+    a latent cache's (``vae`` None, already scaled), or pixels (both None)."""
+
+    shape: tuple[int, int, int]  # (C, h, w)
+    vae: Any | None
+    scaling: float | None
+
+
+@dataclass
+class LoopContext:
+    """Everything the loop reads, and the one thing it updates besides ``parts``: the last
+    checkpoint written (or resumed from), which a divergence error names."""
+
+    cfg: TrainConfig
+    parts: Parts  # what checkpoints save; parts.model is the unwrapped model
+    model: torch.nn.Module  # as accelerate prepared it: forward and backward go through this
+    diffusion: Any
+    space: LatentSpace
+    sampler: Any  # the ResumableSampler feeding this process
+    per_process: int  # batch size of this process
+    num_classes: int
+    run: dict[str, Any]  # the run identity every checkpoint marker records
+    log_with: str | None
+    last_checkpoint: str | Path | None
+
+
+@dataclass
+class _Step:
+    """One step's terms, detached, for the log window."""
+
+    loss: torch.Tensor
+    mse: torch.Tensor
+    vb: torch.Tensor
+    lb: torch.Tensor
+    grad_norm: Any  # a tensor, or a float from accelerate's clipping
+    head_usage: list[torch.Tensor] | None
+
+
+@dataclass
+class _LogWindow:
+    """Sums over the steps since the last log (on-device tensors until the log reduces them)."""
+
+    sums: dict[str, Any] = field(default_factory=lambda: {"loss": 0.0, "mse": 0.0, "vb": 0.0, "lb": 0.0,
+                                                          "grad_norm": 0.0})
+    count: int = 0
+    images: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, step: _Step, images: int) -> None:
+        self.images += images
+        self.sums["loss"] += step.loss
+        self.sums["mse"] += step.mse
+        self.sums["vb"] += step.vb
+        self.sums["lb"] += step.lb
+        self.sums["grad_norm"] += step.grad_norm.detach() if torch.is_tensor(step.grad_norm) else step.grad_norm
+        self.count += 1
+
+
+def _next_batch(ctx: LoopContext, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next batch on the device, the data position advanced, latents encoded if a VAE is in use."""
+    device, state, vae = ctx.parts.accelerator.device, ctx.parts.state, ctx.space.vae
+    x, y = next(batches)
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    ctx.sampler.advance(ctx.per_process)
+    state.images_skipped += ctx.per_process - x.shape[0]  # unreadable images dropped (--on-corrupt skip)
+    if vae is not None:
+        with torch.no_grad():
+            shift = getattr(vae.config, "shift_factor", None) or 0.0
+            x = (vae.encode(x).latent_dist.sample() - shift) * ctx.space.scaling
+    return x, y
+
+
+def _stop_if_diverged(ctx: LoopContext, loss: torch.Tensor, terms: dict, out) -> None:
+    """Raise TrainingDivergedError on every process if the loss is NaN/inf on any of them."""
+    acc = ctx.parts.accelerator
+    bad = (~torch.isfinite(loss.detach())).float()
+    if acc.num_processes > 1:  # decided together: a rank that stopped alone would leave the others waiting
+        bad = acc.reduce(bad, "sum")
+    if bad.item():
+        raise TrainingDivergedError(
+            f"The loss became {loss.item()} at step {ctx.parts.state.step + 1}"
+            f"{' here, NaN/inf on another process' if torch.isfinite(loss) else ''} (mse {terms['mse'].mean().item():.4g}, "
+            f"vb {terms['vb'].mean().item():.4g}, lb {out.load_balance_loss.item():.4g}). "
+            f"The last good checkpoint is {ctx.last_checkpoint or 'none'}; lower --learning-rate, set --max-grad-norm, "
+            "or use bf16 instead of fp16, then resume."
+        )
+
+
+def _train_step(ctx: LoopContext, x: torch.Tensor, y: torch.Tensor, log_now: bool) -> _Step:
+    """One optimiser step on (x, y): diffusion loss plus ``lb_coeff`` times the load-balance
+    loss, the finite check, backward, clipping, AdamW, the LR schedule and the EMA."""
+    cfg, acc, parts, diffusion = ctx.cfg, ctx.parts.accelerator, ctx.parts, ctx.diffusion
+    t = diffusion.sample_timesteps(x.shape[0], device=acc.device)
+    noise = torch.randn_like(x)
+    x_t = diffusion.q_sample(x, t, noise)
+    with acc.autocast():
+        out = ctx.model(x_t, t, y, output_load_balance_loss=True, output_head_usage=log_now and parts.model.is_moh)
+    terms = diffusion.training_losses(out.sample, x, x_t, t, noise)
+    loss = terms["loss"].mean() + cfg.lb_coeff * out.load_balance_loss
+    _stop_if_diverged(ctx, loss, terms, out)
+    acc.backward(loss)
+    grad_norm = acc.clip_grad_norm_(ctx.model.parameters(), cfg.max_grad_norm or float("inf"))
+    parts.optimizer.step()
+    parts.lr_scheduler.step()
+    parts.optimizer.zero_grad(set_to_none=True)
+    update_ema(parts.ema, parts.model, cfg.ema_decay)
+    parts.state.step += 1
+    parts.state.images_seen += cfg.global_batch_size
+    return _Step(loss.detach(), terms["mse"].mean().detach(), terms["vb"].mean().detach(),
+                 out.load_balance_loss.detach(), grad_norm, out.head_usage)
+
+
+def _head_balance(ctx: LoopContext, head_usage: list[torch.Tensor], logs: dict[str, Any]) -> None:
+    """Per-layer balance of the routed heads into ``logs``; the usage itself into head_usage.jsonl."""
+    for i, usage in enumerate(head_usage):
+        routed = usage[ctx.parts.model.layer_shared[i]:]
+        if routed.numel() > 1:
+            # coefficient of variation of routed-head usage: 0 = perfectly balanced
+            logs[f"head_balance_cv/layer_{i:02d}"] = (routed.std() / routed.mean().clamp_min(1e-8)).item()
+    if ctx.parts.accelerator.is_main_process:
+        with open(Path(ctx.cfg.output_dir) / "head_usage.jsonl", "a") as f:
+            f.write(json.dumps({"step": ctx.parts.state.step, "usage": [u.tolist() for u in head_usage]}) + "\n")
+
+
+def _log_window(ctx: LoopContext, window: _LogWindow, step: _Step, progress) -> None:
+    """Averages over all processes of the steps since the last log, speed, LR and skipped
+    images: to the trackers, the progress bar and train_log.jsonl."""
+    acc, state = ctx.parts.accelerator, ctx.parts.state
+    elapsed = time.perf_counter() - window.start
+    logs = {k: float(acc.reduce(torch.as_tensor(v, device=acc.device, dtype=torch.float32), "mean")) / window.count
+            for k, v in window.sums.items()}
+    logs.update(steps_per_sec=window.count / elapsed, images_per_sec=window.images / elapsed,
+                lr=ctx.parts.lr_scheduler.get_last_lr()[0], images_skipped=state.images_skipped)
+    if ctx.parts.model.is_moh and step.head_usage is not None:
+        _head_balance(ctx, step.head_usage, logs)
+    if ctx.log_with is not None:
+        acc.log(logs, step=state.step)
+    if progress is not None:
+        progress.set_postfix(loss=f"{logs['loss']:.4f}", mse=f"{logs['mse']:.4f}", lb=f"{logs['lb']:.3f}",
+                             it_s=f"{logs['steps_per_sec']:.2f}")
+        with open(Path(ctx.cfg.output_dir) / "train_log.jsonl", "a") as f:
+            f.write(json.dumps({"step": state.step, **logs}) + "\n")
+
+
+def _save_sample_grid(ctx: LoopContext) -> None:
+    """``OUT/samples/step-N.png``: an EMA sample grid, four rows of up to 16 classes."""
+    from torchvision.utils import save_image
+
+    cfg, space, step = ctx.cfg, ctx.space, ctx.parts.state.step
+    images = sample_grid(ctx.parts.ema, ctx.diffusion, ctx.num_classes, space.shape, space.vae,
+                         steps=cfg.sample_steps, per_class=4, seed=cfg.seed, device=ctx.parts.accelerator.device)
+    with atomic_write(Path(cfg.output_dir) / "samples" / f"step-{step:07d}.png") as f:
+        save_image(images, f, nrow=min(ctx.num_classes, 16), format="png")
+
+
+def _progress_bar(ctx: LoopContext):
+    if not ctx.parts.accelerator.is_main_process:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=ctx.cfg.max_steps, initial=ctx.parts.state.step, desc="train", dynamic_ncols=True)
+
+
+def run_loop(ctx: LoopContext, batches: Iterator) -> None:
+    """Train from the current step to ``cfg.max_steps``; after each step, its log (every
+    ``log_every`` and at the end), sample grid (``sample_every``, main process) and
+    checkpoint (every ``checkpoint_every`` and at the end)."""
+    cfg, acc, state = ctx.cfg, ctx.parts.accelerator, ctx.parts.state
+    window = _LogWindow()
+    progress = _progress_bar(ctx)
+    while state.step < cfg.max_steps:
+        x, y = _next_batch(ctx, batches)
+        log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps
+        step = _train_step(ctx, x, y, log_now)
+        window.add(step, cfg.global_batch_size)
+        if progress is not None:
+            progress.update(1)
+        if log_now:
+            _log_window(ctx, window, step, progress)
+            window = _LogWindow()
+        if cfg.sample_every and state.step % cfg.sample_every == 0 and acc.is_main_process:
+            _save_sample_grid(ctx)
+        if state.step % cfg.checkpoint_every == 0 or state.step == cfg.max_steps:
+            ctx.last_checkpoint = save_checkpoint(ctx.parts, cfg, state.step, ctx.run)
+    if progress is not None:
+        progress.close()
