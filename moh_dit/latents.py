@@ -24,8 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,8 @@ from .data import (
     item_rng,
     load_image,
 )
-from .io_utils import write_json_atomic
+from .io_utils import publish_folder, write_json_atomic
+from .output_folders import check_output_folder
 
 __all__ = [
     "LATENT_FORMAT",
@@ -176,14 +177,7 @@ def extract_latents(
     Returns the path of the finished cache. Every argument is checked before the VAE is
     loaded or anything is written.
     """
-    if on_corrupt not in ON_CORRUPT:
-        raise ValueError(f"on_corrupt must be one of {ON_CORRUPT}, got {on_corrupt!r}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
-    for name, value, least in (("image_size", image_size, 1), ("batch_size", batch_size, 1),
-                               ("shard_size", shard_size, 1), ("num_workers", num_workers, 0)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= {least}, got {value!r}")
+    _check_arguments(on_corrupt, dtype, image_size, batch_size, shard_size, num_workers)
     data_dir, output_dir = Path(data_dir), Path(output_dir)
     classes, class_to_idx, samples = find_image_folder(data_dir)
     _check_output_dir(data_dir, output_dir, overwrite)
@@ -191,18 +185,10 @@ def extract_latents(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device} but CUDA is not available; use --device cpu")
-    if isinstance(vae, (str, os.PathLike)):
-        vae = load_vae(vae, vae_subfolder, device)
-    else:
-        if vae.dtype != torch.float32:
-            vae = vae.to(dtype=torch.float32)
-        vae = vae.to(device).eval().requires_grad_(False)
+    vae = _ready_vae(vae, vae_subfolder, device)
     factor = vae_downsample_factor(vae)
     if image_size % factor:
         raise ValueError(f"image_size {image_size} is not a multiple of the VAE's downsampling factor {factor}")
-    latent_shape = [int(vae.config.latent_channels), image_size // factor, image_size // factor]
-    np_dtype = np.dtype(dtype)
-
     settings = {
         "format": LATENT_FORMAT,
         "version": _VERSION,
@@ -214,10 +200,55 @@ def extract_latents(
         "vae_config": json.loads(json.dumps(dict(vae.config), default=str)),
         "files": hashlib.sha256("\n".join(f"{os.path.relpath(p, data_dir)}\t{y}" for p, y in samples).encode()).hexdigest(),
     }
+    latent_shape = [int(vae.config.latent_channels), image_size // factor, image_size // factor]
+    job = _ShardJob(vae=vae, samples=samples, partial=_open_partial(output_dir, settings), image_size=image_size,
+                    latent_shape=latent_shape, np_dtype=np.dtype(dtype), shard_size=shard_size, batch_size=batch_size,
+                    num_workers=num_workers, device=device, on_corrupt=on_corrupt)
+    start = time.perf_counter()
+    encoded = _encode_missing_shards(job, progress)
+    index = _write_index(job, data_dir, classes, class_to_idx, settings)
+    with publish_folder(output_dir, replace=True) as tmp:  # _check_output_dir refused what may not be replaced
+        os.replace(job.partial, tmp)  # the finished cache takes the empty temporary folder's place
+    if progress:
+        elapsed = time.perf_counter() - start
+        rate = f", {encoded / elapsed:.1f} images/s" if encoded and elapsed > 0 else ""
+        print(f"cached {index['num_samples']} latents of shape {job.latent_shape} to {output_dir}{rate}; "
+              f"skipped {index['num_skipped']}")
+    return output_dir
+
+
+def _check_arguments(on_corrupt: str, dtype: str, image_size: int, batch_size: int, shard_size: int,
+                     num_workers: int) -> None:
+    if on_corrupt not in ON_CORRUPT:
+        raise ValueError(f"on_corrupt must be one of {ON_CORRUPT}, got {on_corrupt!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    for name, value, least in (("image_size", image_size, 1), ("batch_size", batch_size, 1),
+                               ("shard_size", shard_size, 1), ("num_workers", num_workers, 0)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= {least}, got {value!r}")
+
+
+def _ready_vae(vae: Any, subfolder: str | None, device: str | torch.device):
+    """A hub id or folder loaded, or a loaded VAE moved: float32, on ``device``, frozen."""
+    if isinstance(vae, (str, os.PathLike)):
+        return load_vae(vae, subfolder, device)
+    if vae.dtype != torch.float32:
+        vae = vae.to(dtype=torch.float32)
+    return vae.to(device).eval().requires_grad_(False)
+
+
+def _partial_dir(output_dir: Path) -> Path:
+    return output_dir.parent / f".{output_dir.name}.partial"
+
+
+def _open_partial(output_dir: Path, settings: dict) -> Path:
+    """The folder the cache is built in: an unfinished extraction of the same settings and
+    data is continued; one of other settings is refused."""
     # The weights are not hashed (hundreds of MB); the VAE's id and config stand for them.
     fingerprint = _fingerprint(settings)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    partial = output_dir.parent / f".{output_dir.name}.partial"
+    partial = _partial_dir(output_dir)
     if partial.exists():
         try:
             previous = json.loads((partial / _PROGRESS).read_text())["fingerprint"]
@@ -231,74 +262,91 @@ def extract_latents(
     else:
         partial.mkdir()
         write_json_atomic(partial / _PROGRESS, {"fingerprint": fingerprint, "settings": settings})
+    return partial
 
-    num_shards = -(-len(samples) // shard_size)
-    iterator = range(num_shards)
+
+@dataclass(frozen=True)
+class _ShardJob:
+    """What every shard of one extraction shares."""
+
+    vae: Any
+    samples: list[tuple[str, int]]  # (image path, label) of the whole data folder
+    partial: Path  # the folder the cache is built in
+    image_size: int
+    latent_shape: list[int]  # [C, h, w]
+    np_dtype: np.dtype
+    shard_size: int
+    batch_size: int
+    num_workers: int
+    device: str | torch.device
+    on_corrupt: str
+
+    @property
+    def num_shards(self) -> int:
+        return -(-len(self.samples) // self.shard_size)
+
+    def shard(self, k: int, suffix: str) -> Path:
+        return self.partial / f"shard_{k:05d}{suffix}"
+
+
+def _encode_missing_shards(job: _ShardJob, progress: bool) -> int:
+    """Encode every shard without a marker; returns the number of images encoded now."""
+    shards: Any = range(job.num_shards)
     if progress:
         from tqdm.auto import tqdm
 
-        iterator = tqdm(iterator, desc="latent shards", unit="shard")
-    start = time.perf_counter()
+        shards = tqdm(shards, desc="latent shards", unit="shard")
     encoded = 0
-    for k in iterator:
-        if (partial / f"shard_{k:05d}.json").exists():
-            continue
-        indices = range(k * shard_size, min((k + 1) * shard_size, len(samples)))
-        encoded += _extract_shard(
-            vae, samples, indices, partial, k, image_size, latent_shape, np_dtype, batch_size, num_workers, device, on_corrupt
-        )
+    for k in shards:
+        if not job.shard(k, ".json").exists():
+            encoded += _extract_shard(job, k)
+    return encoded
 
-    # Gather the shard markers into the final index.
+
+def _write_index(job: _ShardJob, data_dir: Path, classes: list[str], class_to_idx: dict[str, int],
+                 settings: dict) -> dict:
+    """Gather the shard markers into labels.npy, files.json and index.json, then drop the
+    markers and the progress file: what is left is the finished cache. Returns the index."""
     shards, labels, files, skipped = [], [], [], []
-    for k in range(num_shards):
-        meta = json.loads((partial / f"shard_{k:05d}.json").read_text())
-        shards.append({"file": f"shard_{k:05d}.npy", "count": meta["count"]})
+    samples = job.samples
+    for k in range(job.num_shards):
+        meta = json.loads(job.shard(k, ".json").read_text())
+        shards.append({"file": job.shard(k, ".npy").name, "count": meta["count"]})
         labels += meta["labels"]
         files += [os.path.relpath(samples[i][0], data_dir) for i in meta["indices"]]
         skipped += [os.path.relpath(samples[i][0], data_dir) for i in meta["skipped"]]
     if not labels:
         raise CorruptImageError(f"none of the {len(samples)} images in {str(data_dir)!r} could be read")
-    np.save(partial / "labels.npy", np.asarray(labels, dtype=np.int64))
-    write_json_atomic(partial / "files.json", files)
+    np.save(job.partial / "labels.npy", np.asarray(labels, dtype=np.int64))
+    write_json_atomic(job.partial / "files.json", files)
+    vae_config = job.vae.config
     index = {
         "format": LATENT_FORMAT,
         "version": _VERSION,
         "num_samples": len(labels),
-        "latent_shape": latent_shape,
+        "latent_shape": job.latent_shape,
         "layout": "(sample, view[plain, hflip], stat[mean, std], C, h, w)",
-        "dtype": dtype,
+        "dtype": settings["dtype"],
         "shards": shards,
         "labels": "labels.npy",
         "files": "files.json",
         "classes": classes,
         "class_to_idx": class_to_idx,
-        "image_size": image_size,
+        "image_size": job.image_size,
         "preprocessing": "ADM center_crop_arr, [-1, 1]; view 1 is the horizontal flip",
         "vae": settings["vae"],
-        "vae_subfolder": vae_subfolder,
-        "scaling_factor": float(getattr(vae.config, "scaling_factor", None) or 0.18215),
-        "shift_factor": float(getattr(vae.config, "shift_factor", None) or 0.0),
+        "vae_subfolder": settings["vae_subfolder"],
+        "scaling_factor": float(getattr(vae_config, "scaling_factor", None) or 0.18215),
+        "shift_factor": float(getattr(vae_config, "shift_factor", None) or 0.0),
         "data_dir": str(data_dir.resolve()),
         "num_skipped": len(skipped),
         "skipped": skipped,
     }
-    write_json_atomic(partial / _INDEX, index)
-    (partial / _PROGRESS).unlink()
-    for k in range(num_shards):
-        (partial / f"shard_{k:05d}.json").unlink()
-    if output_dir.exists():  # overwrite: move the old cache aside first, delete it last
-        old = output_dir.parent / f".{output_dir.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(output_dir, old)
-        os.replace(partial, output_dir)
-        shutil.rmtree(old)
-    else:
-        os.replace(partial, output_dir)
-    if progress:
-        elapsed = time.perf_counter() - start
-        rate = f", {encoded / elapsed:.1f} images/s" if encoded and elapsed > 0 else ""
-        print(f"cached {len(labels)} latents of shape {latent_shape} to {output_dir}{rate}; skipped {len(skipped)}")
-    return output_dir
+    write_json_atomic(job.partial / _INDEX, index)
+    (job.partial / _PROGRESS).unlink()
+    for k in range(job.num_shards):
+        job.shard(k, ".json").unlink()
+    return index
 
 
 def _is_latent_cache(path: Path) -> bool:
@@ -316,74 +364,61 @@ def _check_output_dir(data_dir: Path, output_dir: Path, overwrite: bool) -> None
             f"--output-dir {str(output_dir)!r} and --data-dir {str(data_dir)!r} overlap; put the cache "
             "in a folder outside the data folder"
         )
-    if output_dir.exists() or output_dir.is_symlink():
-        if not output_dir.is_dir():
-            raise FileExistsError(f"--output-dir {str(output_dir)!r} exists and is not a folder; choose another --output-dir")
-        if not overwrite:
-            raise FileExistsError(
-                f"{str(output_dir)!r} already exists; delete it, choose another --output-dir or pass --overwrite"
-            )
-        if not _is_latent_cache(output_dir) and any(output_dir.iterdir()):
-            # --overwrite replaces a latent cache; it never deletes an unrelated folder.
-            raise FileExistsError(
-                f"--overwrite would replace {str(output_dir)!r}, which is not a latent cache (no {_INDEX} "
-                f"of format {LATENT_FORMAT!r}); choose another --output-dir, or delete it yourself"
-            )
-    partial = output_dir.parent / f".{output_dir.name}.partial"
+    check_output_folder(output_dir, overwrite, _is_latent_cache,
+                        f"a latent cache (no {_INDEX} of format {LATENT_FORMAT!r})", named="--output-dir ")
+    partial = _partial_dir(output_dir)
     if partial.exists() and not partial.is_dir():
         raise FileExistsError(f"{str(partial)!r} is in the way of the extraction (not a folder); move it away")
-    # Missing parent folders are created when the work starts; a file in their place cannot be.
-    ancestor = output_dir.absolute().parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise FileExistsError(f"cannot create --output-dir {str(output_dir)!r}: {str(ancestor)!r} is a file")
 
 
-def _extract_shard(
-    vae, samples, indices, partial, k, image_size, latent_shape, np_dtype, batch_size, num_workers, device, on_corrupt
-) -> int:
-    """Encode one shard and commit it: .npy renamed into place, then its .json marker."""
+def _extract_shard(job: _ShardJob, k: int) -> int:
+    """Encode shard ``k`` and commit it: .npy renamed into place, then its .json marker.
+    Returns the number of images it holds."""
+    indices = range(k * job.shard_size, min((k + 1) * job.shard_size, len(job.samples)))
     loader = DataLoader(
-        _CropItems(samples, indices, image_size),
-        batch_size=batch_size,
-        num_workers=num_workers,
-        pin_memory=str(device).startswith("cuda"),
+        _CropItems(job.samples, indices, job.image_size),
+        batch_size=job.batch_size,
+        num_workers=job.num_workers,
+        pin_memory=str(job.device).startswith("cuda"),
     )
-    tmp = partial / f"shard_{k:05d}.tmp.npy"
+    # Filled in place through a memory map, which needs a named file: the .tmp.npy is this
+    # shard's own scratch file, renamed only once complete.
+    tmp = job.shard(k, ".tmp.npy")
     try:
-        kept, skipped, n = _fill_shard(vae, loader, tmp, len(indices), latent_shape, np_dtype, device, on_corrupt)
+        kept, skipped, n = _fill_shard(job, loader, tmp, len(indices))
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, partial / f"shard_{k:05d}.npy")
+    os.replace(tmp, job.shard(k, ".npy"))
     write_json_atomic(
-        partial / f"shard_{k:05d}.json",
-        {"count": n, "indices": kept, "labels": [samples[i][1] for i in kept], "skipped": skipped},
+        job.shard(k, ".json"),
+        {"count": n, "indices": kept, "labels": [job.samples[i][1] for i in kept], "skipped": skipped},
     )
     return n
 
 
-def _fill_shard(vae, loader, tmp, capacity, latent_shape, np_dtype, device, on_corrupt) -> tuple[list[int], list[int], int]:
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np_dtype, shape=(capacity, 2, 2, *latent_shape))
+def _fill_shard(job: _ShardJob, loader: DataLoader, tmp: Path, capacity: int) -> tuple[list[int], list[int], int]:
+    """Encode the loader's images into ``tmp`` (plain and flipped view, mean and std); returns
+    the dataset indices kept and skipped, and how many rows were filled."""
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=job.np_dtype, shape=(capacity, 2, 2, *job.latent_shape))
     kept, skipped, n = [], [], 0
     batches = iter(loader)
     error = None
     for index, images, errors in batches:
         ok = torch.tensor([not e for e in errors], dtype=torch.bool)
-        if on_corrupt == "error" and not ok.all():
+        if job.on_corrupt == "error" and not ok.all():
             error = next(e for e in errors if e)
             break
         skipped += index[~ok].tolist()
-        images = images[ok].to(device, non_blocking=True)
+        images = images[ok].to(job.device, non_blocking=True)
         if images.shape[0] == 0:
             continue
         b = images.shape[0]
         # One encoder call for both views; flipping the tensor equals flipping the PIL image.
-        mean, std = encode_distribution(vae, torch.cat([images, images.flip(-1)]))
+        mean, std = encode_distribution(job.vae, torch.cat([images, images.flip(-1)]))
         stats = torch.stack([mean, std], dim=1)  # (2b, 2, C, h, w)
-        stats = stats.reshape(2, b, 2, *latent_shape).transpose(0, 1)  # (b, view, stat, C, h, w)
-        out[n : n + b] = stats.float().cpu().numpy().astype(np_dtype)
+        stats = stats.reshape(2, b, 2, *job.latent_shape).transpose(0, 1)  # (b, view, stat, C, h, w)
+        out[n : n + b] = stats.float().cpu().numpy().astype(job.np_dtype)
         kept += index[ok].tolist()
         n += b
     del batches  # stop the DataLoader workers now rather than when a traceback is freed
