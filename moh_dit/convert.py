@@ -19,13 +19,12 @@ import json
 import os
 import pickle
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .io_utils import publish_folder
 from .presets import PRESETS, get_preset
 from .transformer_moh_dit import MoHDiTTransformer2DModel
 
@@ -354,19 +353,12 @@ def _check_output(output: Path, overwrite: bool) -> None:
 
 
 def save_pretrained_atomic(model: MoHDiTTransformer2DModel, output: str | os.PathLike, overwrite: bool = False) -> Path:
-    """``save_pretrained`` into a temporary sibling folder, then rename it into place."""
+    """``save_pretrained`` into a temporary sibling folder, then rename it into place; a
+    folder it replaces is deleted only after the new one is in."""
     output = Path(output)
     _check_output(output, overwrite)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    try:
+    with publish_folder(output, replace=True) as tmp:  # _check_output refused what may not be replaced
         model.save_pretrained(tmp, safe_serialization=True)
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return output
 
 

@@ -17,14 +17,13 @@ import json
 import math
 import numbers
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .io_utils import write_json_atomic
+from .io_utils import publish_folder, write_json_atomic
+from .output_folders import check_output_folder
 
 __all__ = ["DEMO_SHAPES", "DEMO_COLOURS", "demo_classes", "render_demo_image", "make_demo_dataset"]
 
@@ -126,27 +125,9 @@ def make_demo_dataset(
             bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
             raise ValueError(f"{name} ({flag}) must be {bounds}, got {value}")
     output_dir = Path(output_dir)
-    if output_dir.exists() or output_dir.is_symlink():
-        if not output_dir.is_dir():
-            raise FileExistsError(f"{str(output_dir)!r} exists and is not a folder; choose another --output-dir")
-        if not overwrite:
-            raise FileExistsError(
-                f"{str(output_dir)!r} already exists; delete it, choose another --output-dir or pass --overwrite"
-            )
-        if not _is_demo_dataset(output_dir) and any(output_dir.iterdir()):
-            # --overwrite replaces a demo dataset; it never deletes an unrelated folder.
-            raise FileExistsError(
-                f"--overwrite would replace {str(output_dir)!r}, which is not a demo dataset (no demo_dataset.json "
-                "written by this script); choose another --output-dir, or delete it yourself"
-            )
-    ancestor = output_dir.absolute().parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise FileExistsError(f"cannot create {str(output_dir)!r}: {str(ancestor)!r} is a file")
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
-    try:
+    check_output_folder(output_dir, overwrite, _is_demo_dataset,
+                        "a demo dataset (no demo_dataset.json written by this script)")
+    with publish_folder(output_dir, replace=True) as tmp:  # check_output_folder refused what may not be replaced
         classes = demo_classes()
         for label, name in enumerate(classes):
             (tmp / name).mkdir()
@@ -164,14 +145,4 @@ def make_demo_dataset(
                 "classes": classes,
             },
         )
-        if output_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
-            os.replace(output_dir, old / "d")
-            os.replace(tmp, output_dir)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return output_dir
