@@ -427,6 +427,8 @@ def _fill_shard(job: _ShardJob, loader: DataLoader, tmp: Path, capacity: int) ->
     out.flush()
     del out
     if n < capacity:  # images were skipped: keep only the filled rows
+        # A plain sibling file rather than atomic_write, whose files are owner-only: every
+        # shard of a cache keeps the permissions the umask gives.
         full = np.load(tmp, mmap_mode="r")
         compact = tmp.with_name(tmp.name.replace(".tmp.npy", ".tmp2.npy"))
         np.save(compact, np.ascontiguousarray(full[:n]))

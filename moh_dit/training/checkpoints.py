@@ -324,7 +324,9 @@ def save_checkpoint(parts: Parts, cfg: TrainConfig, step: int, run: dict[str, An
     accelerator = parts.accelerator
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
     final = ckpt_dir / f"{CHECKPOINT_PREFIX}{step:07d}"
-    tmp = ckpt_dir / f".{final.name}.tmp"  # this run's own scratch folder (one run per folder)
+    # This run's own scratch folder (one run per folder), under a name every process knows
+    # without being told: all of them write into it, so publish_folder's random one would not do.
+    tmp = ckpt_dir / f".{final.name}.tmp"
 
     def prepare() -> None:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
