@@ -26,6 +26,12 @@ __all__ = ["FileLockedError", "atomic_write", "lock_file", "publish_folder", "re
            "write_bytes_atomic", "write_json_atomic", "write_lines_atomic", "write_lock_info"]
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary file beside ``path`` for writing; rename it to ``path`` on success."""
@@ -33,6 +39,8 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file owner-only (0600); give it the mode an ordinary open() would.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()

@@ -56,3 +56,16 @@ def test_tf32_switch_and_restore():
         assert getattr(matmul, name) != enabled
     finally:
         setattr(matmul, name, before)
+
+
+def test_atomic_write_gives_files_the_ordinary_mode(tmp_path):
+    import os
+
+    from moh_dit.io_utils import write_json_atomic
+
+    old = os.umask(0o022)
+    try:
+        path = write_json_atomic(tmp_path / "a.json", {"x": 1})
+    finally:
+        os.umask(old)
+    assert (path.stat().st_mode & 0o777) == 0o644
