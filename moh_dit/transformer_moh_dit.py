@@ -117,7 +117,7 @@ class SparseInferencePolicy:
         max_active: largest fraction ``(hs + K) / h`` of a layer's heads that may be active.
         min_work: smallest ``tokens * inner_dim`` of a call. Below these two, gathering the
             selected tokens costs more than the skipped heads save
-            (``scripts/benchmark_attention.py``: on 2 CPU cores a DiT-B layer at 256 tokens
+            (``benchmarks/benchmark_attention.py``: on 2 CPU cores a DiT-B layer at 256 tokens
             took 0.88x dense time with half its heads active, 1.03x with three quarters).
         devices: device types the input may be on. On an H200 (torch 2.11, bf16) every
             head-sparse strategy was slower than dense-masked at every measured size: the
