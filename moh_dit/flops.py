@@ -52,10 +52,11 @@ def attention_flops(tokens: int, hidden: int, inner: int, ratio: float | Fractio
     """
     if not 0 <= ratio <= 1:
         raise ValueError(f"ratio={ratio} must be in [0, 1] (the fraction of (token, head) pairs that compute).")
-    if isinstance(ratio, float):
-        return 2 * tokens * hidden * inner * (2 + 2 * ratio) + 4 * ratio * tokens**2 * inner
-    ratio = Fraction(ratio)
-    flops = 2 * tokens * hidden * inner * (2 + 2 * ratio) + 4 * ratio * tokens**2 * inner
+    exact = not isinstance(ratio, float)
+    r = Fraction(ratio) if exact else ratio
+    flops = 2 * tokens * hidden * inner * (2 + 2 * r) + 4 * r * tokens**2 * inner
+    if not exact:
+        return flops
     return int(flops) if flops.denominator == 1 else float(flops)
 
 

@@ -57,6 +57,9 @@ __all__ = [
     "run_identity",
     "check_or_write_settings",
     "check_settings",
+    "check_folder_path",
+    "check_seed_flags",
+    "check_model_flags",
     "sample_images",
     "generate_batch",
 ]
@@ -349,12 +352,54 @@ def check_or_write_settings(
 
 def _check_output_folder(output: Path) -> None:
     """Refuse an output that is a file, or that lies under a file, before anything is made."""
-    for folder in (output, *output.parents):
+    check_folder_path(output, "--output", "give a folder (it is created if missing)")
+
+
+# --------------------------------------------------------------------------------------
+# Flag checks in the scripts' spelling (scripts/sample.py, scripts/sweep_head_ratio.py)
+# --------------------------------------------------------------------------------------
+
+
+def check_folder_path(path: str | os.PathLike, what: str, advice: str = "give a folder") -> None:
+    """Refuse a folder path that is a file or lies under one, before anything is made; the
+    message names the path as ``what`` (a flag such as ``--output``) and ends with ``advice``."""
+    path = Path(path)
+    for folder in (path, *path.parents):
         if folder.exists():
             if not folder.is_dir():
-                what = "is a file" if folder == output else f"lies under {folder}, which is a file"
-                raise ValueError(f"--output {output} {what}; give a folder (it is created if missing).")
+                where = "is a file" if folder == path else f"lies under {folder}, which is a file"
+                raise ValueError(f"{what} {path} {where}; {advice}.")
             return
+
+
+def check_seed_flags(guidance_scale: float, seed: int, num_samples: int) -> None:
+    """``--guidance-scale``, ``--seed`` and ``--seed`` + ``--num-samples`` as SampleSettings
+    will need them, named by their flags."""
+    if not (math.isfinite(guidance_scale) and guidance_scale >= 1):
+        raise ValueError(f"--guidance-scale must be a finite number >= 1 (1 = no guidance), got {guidance_scale}.")
+    if seed < 0:
+        raise ValueError(f"--seed must be >= 0 (image i uses seed + i), got {seed}.")
+    if seed + num_samples - 1 > SEED_RANGE[1]:
+        raise ValueError(f"--seed {seed} + --num-samples {num_samples} - 1 exceeds {SEED_RANGE[1]}, the "
+                         "largest seed torch takes (image i uses seed + i); use a smaller --seed.")
+
+
+def _looks_like_path(name: str) -> bool:
+    """A --vae that can only be a local path: a Hub id is exactly ``org/name``."""
+    return name.startswith((".", "/", "~")) or name.count("/") != 1 or Path(name).exists()
+
+
+def check_model_flags(model: str, vae: str | None) -> None:
+    """``--model`` must be a folder; ``--vae``, when it can only be a local path, must be one."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"--model {model} does not exist; give a pipeline folder or a save_pretrained "
+                                "transformer folder.")
+    if not path.is_dir():
+        raise ValueError(f"--model {model} is a file; give a pipeline folder or a save_pretrained transformer folder.")
+    if vae is not None and vae.lower() != "none" and _looks_like_path(vae) and not Path(vae).expanduser().is_dir():
+        what = "is not a folder" if Path(vae).expanduser().exists() else "does not exist"
+        raise FileNotFoundError(f"--vae {vae} {what}; give an AutoencoderKL folder, a Hub id (org/name) or 'none'.")
 
 
 # --------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from .evaluation import (
     load_reference,
 )
 from .pipelines.pipeline_moh_dit import MoHDiTPipeline
+from .sampling import check_folder_path as _refuse_file_path
 from .sampling import (
     SampleSettings,
     check_settings,
@@ -396,14 +397,8 @@ def check_device(device: torch.device | str) -> torch.device:
 
 
 def check_folder_path(path: PathLike, what: str) -> None:
-    """Refuse a folder path that is a file or lies under one, before anything is made."""
-    path = Path(path).expanduser()
-    for folder in (path, *path.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                where = "is a file" if folder == path else f"lies under {folder}, which is a file"
-                raise ValueError(f"{what} {path} {where}; give a folder.")
-            return
+    """Refuse a folder path (``~`` expanded) that is a file or lies under one, before anything is made."""
+    _refuse_file_path(Path(path).expanduser(), what)
 
 
 def _ratio_dir(output_dir: Path, realised: float) -> Path:

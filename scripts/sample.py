@@ -19,17 +19,19 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 
 from accelerate import Accelerator
 
 from moh_dit.cli import run_cli
-from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, SEED_RANGE
+from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS
 from moh_dit.sampling import (
     CLASS_LABEL_MODES,
     DTYPES,
     SampleSettings,
+    check_folder_path,
+    check_model_flags,
     check_or_write_settings,
+    check_seed_flags,
     check_settings,
     load_pipeline,
     preview_head_activation,
@@ -69,11 +71,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _looks_like_path(name: str) -> bool:
-    """A --vae that can only be a local path: a Hub id is exactly ``org/name``."""
-    return name.startswith((".", "/", "~")) or name.count("/") != 1 or Path(name).exists()
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Every flag that can be checked without the model, in the CLI's spelling; raises
     ValueError / FileNotFoundError before anything is loaded or written."""
@@ -84,39 +81,18 @@ def check_args(args: argparse.Namespace) -> None:
     at_least_one("--num-samples", args.num_samples)
     at_least_one("--per-device-batch-size", args.per_device_batch_size)
     at_least_one("--num-inference-steps", args.num_inference_steps)
-    if not (math.isfinite(args.guidance_scale) and args.guidance_scale >= 1):
-        raise ValueError(f"--guidance-scale must be a finite number >= 1 (1 = no guidance), got {args.guidance_scale}.")
+    check_seed_flags(args.guidance_scale, args.seed, args.num_samples)
     ratio = args.head_activation_ratio
     if ratio is not None and not (math.isfinite(ratio) and 0 < ratio <= 1):
         raise ValueError(f"--head-activation-ratio must be in (0, 1], got {ratio}; leave it out for the trained one.")
-    if args.seed < 0:
-        raise ValueError(f"--seed must be >= 0 (image i uses seed + i), got {args.seed}.")
-    if args.seed + args.num_samples - 1 > SEED_RANGE[1]:
-        raise ValueError(f"--seed {args.seed} + --num-samples {args.num_samples} - 1 exceeds {SEED_RANGE[1]}, the "
-                         "largest seed torch takes (image i uses seed + i); use a smaller --seed.")
     if args.scheduler == "dpm" and args.clip_sample == "yes":
         raise ValueError("--clip-sample yes does not apply to --scheduler dpm (DPM-Solver has no x0 clipping); "
                          "use --clip-sample auto or no.")
     if args.scheduler == "saved" and args.clip_sample != "auto":
         raise ValueError("--clip-sample applies to a scheduler built here; --scheduler saved keeps the saved "
                          "scheduler's own clipping. Leave --clip-sample out, or pick --scheduler ddpm|ddim.")
-    model = Path(args.model).expanduser()
-    if not model.exists():
-        raise FileNotFoundError(f"--model {args.model} does not exist; give a pipeline folder or a save_pretrained "
-                                "transformer folder.")
-    if not model.is_dir():
-        raise ValueError(f"--model {args.model} is a file; give a pipeline folder or a save_pretrained transformer folder.")
-    vae = args.vae
-    if vae is not None and vae.lower() != "none" and _looks_like_path(vae) and not Path(vae).expanduser().is_dir():
-        what = "is not a folder" if Path(vae).expanduser().exists() else "does not exist"
-        raise FileNotFoundError(f"--vae {vae} {what}; give an AutoencoderKL folder, a Hub id (org/name) or 'none'.")
-    output = Path(args.output)
-    for folder in (output, *output.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                what = "is a file" if folder == output else f"lies under {folder}, which is a file"
-                raise ValueError(f"--output {args.output} {what}; give a folder (it is created if missing).")
-            break
+    check_model_flags(args.model, args.vae)
+    check_folder_path(args.output, "--output", "give a folder (it is created if missing)")
 
 
 def check_model_args(args: argparse.Namespace, pipe, settings: SampleSettings) -> None:

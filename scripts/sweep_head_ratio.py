@@ -12,14 +12,13 @@ and prints a table. ``--model``: a pipeline folder or a save_pretrained transfor
 images (e.g. the training ImageFolder for the demo). Without the published Inception weights
 the script stops with advice; ``--random-inception-seed N`` explicitly uses a random
 Inception instead, and everything is then labelled not comparable to published numbers.
-All the work is done by :func:`moh_dit.sweep.run_sweep`.
+All the work is done by :func:`moh_dit.sweep.sweep_head_activation`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import zipfile
 from pathlib import Path
@@ -29,17 +28,18 @@ import torch
 from moh_dit.cli import run_cli
 from moh_dit.evaluation import ADM_K, INCEPTION_WEIGHTS_ENV
 from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, SEED_RANGE
-from moh_dit.sampling import DTYPES, SampleSettings, load_pipeline
+from moh_dit.sampling import DTYPES, SampleSettings, check_model_flags, check_seed_flags, load_pipeline
 from moh_dit.sweep import (
     ATTENTION_PATHS,
     DEFAULT_RATIOS,
+    SweepSettings,
     attention_flops,
     check_device,
     check_plans,
     check_folder_path,
     parse_ratios,
     plan_ratios,
-    run_sweep,
+    sweep_head_activation,
     transformer_calls_per_image,
     write_sweep,
 )
@@ -93,28 +93,12 @@ def check_args(args: argparse.Namespace) -> None:
                         ("--num-inference-steps", args.num_inference_steps)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}.")
-    if not (math.isfinite(args.guidance_scale) and args.guidance_scale >= 1):
-        raise ValueError(f"--guidance-scale must be a finite number >= 1 (1 = no guidance), got {args.guidance_scale}.")
-    if args.seed < 0:
-        raise ValueError(f"--seed must be >= 0 (image i uses seed + i), got {args.seed}.")
-    if args.seed + args.num_samples - 1 > SEED_RANGE[1]:
-        raise ValueError(f"--seed {args.seed} + --num-samples {args.num_samples} - 1 exceeds {SEED_RANGE[1]}, the "
-                         "largest seed torch takes; use a smaller --seed.")
+    check_seed_flags(args.guidance_scale, args.seed, args.num_samples)
     if args.random_inception_seed is not None and not 0 <= args.random_inception_seed <= SEED_RANGE[1]:
         raise ValueError(f"--random-inception-seed must be in [0, {SEED_RANGE[1]}], got {args.random_inception_seed}.")
     parse_ratios(args.ratios)
     check_device(args.device)
-    model = Path(args.model).expanduser()
-    if not model.exists():
-        raise FileNotFoundError(f"--model {args.model} does not exist; give a pipeline folder or a save_pretrained "
-                                "transformer folder.")
-    if not model.is_dir():
-        raise ValueError(f"--model {args.model} is a file; give a pipeline folder or a save_pretrained transformer folder.")
-    vae = args.vae
-    if vae is not None and vae.lower() != "none" and (vae.startswith((".", "/", "~")) or vae.count("/") != 1) \
-            and not Path(vae).expanduser().is_dir():
-        what = "is not a folder" if Path(vae).expanduser().exists() else "does not exist"
-        raise FileNotFoundError(f"--vae {vae} {what}; give an AutoencoderKL folder, a Hub id (org/name) or 'none'.")
+    check_model_flags(args.model, args.vae)
     ref = Path(args.ref).expanduser()
     if not ref.exists():
         raise FileNotFoundError(f"--ref {args.ref} does not exist; give an ADM reference batch .npz, an image .npz "
@@ -131,13 +115,19 @@ def check_args(args: argparse.Namespace) -> None:
         check_folder_path(args.cache_dir, "--cache-dir")
 
 
+def sample_settings(args: argparse.Namespace) -> SampleSettings:
+    """What decides the images: the same at every ratio (class i mod num_classes, seed --seed + i)."""
+    return SampleSettings(
+        num_samples=args.num_samples, guidance_scale=args.guidance_scale, guidance_channels=args.guidance_channels,
+        num_inference_steps=args.num_inference_steps, seed=args.seed,
+    )
+
+
 def dry_run(args: argparse.Namespace) -> dict:
     pipe = load_pipeline(args.model, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype)
     calls = transformer_calls_per_image(args.num_inference_steps, args.guidance_scale)
     planned = plan_ratios(pipe.transformer, parse_ratios(args.ratios))
-    check_plans(pipe, planned, SampleSettings(
-        num_samples=args.num_samples, guidance_scale=args.guidance_scale, guidance_channels=args.guidance_channels,
-        num_inference_steps=args.num_inference_steps, seed=args.seed))
+    check_plans(pipe, planned, sample_settings(args))
     plans = []
     for plan in planned:
         sparse, dense = attention_flops(pipe.transformer, plan.top_k_per_layer)
@@ -152,30 +142,13 @@ def main(args: argparse.Namespace):
     check_args(args)
     if args.dry_run:
         return dry_run(args)
-    result = run_sweep(
-        args.model,
-        parse_ratios(args.ratios),
-        reference=args.ref,
-        num_samples=args.num_samples,
-        batch_size=args.batch_size,
-        num_inference_steps=args.num_inference_steps,
-        guidance_scale=args.guidance_scale,
-        guidance_channels=args.guidance_channels,
-        seed=args.seed,
-        inception_weights=args.inception_weights,
-        random_inception_seed=args.random_inception_seed,
-        download=not args.no_download,
-        device=args.device,
-        attention=args.attention,
-        output_dir=args.output,
-        save_samples=args.save_samples,
-        eval_batch_size=args.eval_batch_size,
-        cache_dir=args.cache_dir,
-        use_cache=not args.no_cache,
-        vae=args.vae,
-        scheduler=args.scheduler,
-        dtype=args.dtype,
+    settings = SweepSettings(
+        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, device=args.device, attention=args.attention,
+        output_dir=args.output, save_samples=args.save_samples, cache_dir=args.cache_dir, use_cache=not args.no_cache,
+        inception_weights=args.inception_weights, random_inception_seed=args.random_inception_seed,
+        download=not args.no_download, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype,
     )
+    result = sweep_head_activation(args.model, parse_ratios(args.ratios), args.ref, sample_settings(args), settings)
     result.settings["args"] = vars(args)
     paths = write_sweep(result, args.output)
     print(result.table())

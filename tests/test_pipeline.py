@@ -245,13 +245,41 @@ def test_model_cpu_offload(randomize):
     assert next(pipe.transformer.parameters()).device.type == "cpu"
 
 
+def record_steps(scheduler):
+    """Wrap ``scheduler.step``: each call's (model_output, t, sample, prev_sample)."""
+    seen, original = [], scheduler.step
+
+    def step(model_output, t, sample, **kwargs):
+        out = original(model_output, t, sample, **kwargs)
+        seen.append((model_output.clone(), int(t), sample.clone(), out.prev_sample.clone()))
+        return out
+
+    scheduler.step = step
+    return seen
+
+
 def test_other_schedulers_use_eps_half(randomize):
+    """DDIM, DPM-Solver++ and fixed-variance DDPM get the eps half only, on the paper's schedule
+    (1000 linear betas 1e-4..0.02) respaced as hand-computed below, and their last step
+    lands on the x0 prediction ``(x - sqrt(1 - abar_t) eps) / sqrt(abar_t)``, abar from those betas."""
     pipe = tiny_pipe(randomize)
+    abar = np.cumprod(1 - np.linspace(1e-4, 0.02, 1000, dtype=np.float64))
+    # "linspace" spacing of 3 steps over 0..999: round(linspace(0, 999, 3)) reversed for DDIM and
+    # DDPM; DPM-Solver takes round(linspace(0, 999, 4)) reversed without its last entry.
+    kept = {DDIMScheduler: [999, 500, 0], DPMSolverMultistepScheduler: [999, 666, 333], DDPMScheduler: [999, 500, 0]}
     for scheduler in (make_scheduler("ddim"), make_scheduler("dpm"),
                       DDPMScheduler.from_config(make_scheduler("ddpm").config, variance_type="fixed_small")):
         pipe.scheduler = scheduler
+        torch.testing.assert_close(scheduler.betas, torch.linspace(1e-4, 0.02, 1000), rtol=0, atol=0)
+        seen = record_steps(scheduler)
         out = pipe([1, 2], guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="latent")
         assert out.images.shape == (2, 3, 8, 8) and torch.isfinite(out.images).all()
+        assert [t for _, t, _, _ in seen] == kept[type(scheduler)]
+        assert all(eps.shape == (2, 3, 8, 8) for eps, _, _, _ in seen)  # the eps half of the 6 channels
+        eps, t, x, prev = seen[-1]
+        x0 = (x.double() - np.sqrt(1 - abar[t]) * eps.double()) / np.sqrt(abar[t])
+        torch.testing.assert_close(prev.double(), x0, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(out.images, prev, rtol=0, atol=0)
 
 
 def test_label_names(randomize):

@@ -14,8 +14,10 @@ from moh_dit.sampling import (
     SETTINGS_FILE,
     SampleSettings,
     class_labels_for,
+    head_activation,
     indices_for_rank,
     png_path,
+    preview_head_activation,
     quantize_dit,
     sample_images,
     save_png_atomic,
@@ -34,6 +36,35 @@ def read_pngs(folder, n):
 
 
 SETTINGS = SampleSettings(num_samples=4, guidance_scale=1.5, num_inference_steps=2, class_labels="uniform", seed=7)
+
+
+def test_head_activation_sets_and_restores_the_ratio():
+    """The one way to run at another ratio for a while: restored exactly on exit, also on error,
+    also a non-trained setting made before; nothing changes for an unreachable ratio."""
+    model = MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8)
+    model.set_head_activation_ratio(0.875)
+    before = model.top_k_per_layer
+    with head_activation(model, 0.5) as realised:
+        assert realised == 0.5 == model.head_activation_ratio and model.top_k_per_layer != before
+        with head_activation(model, 1.0):
+            assert model.head_activation_ratio == 1.0
+        assert model.head_activation_ratio == 0.5
+    assert model.top_k_per_layer == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with head_activation(model, 1.0):
+            raise RuntimeError("inside")
+    assert model.top_k_per_layer == before
+    with head_activation(model, None) as realised:
+        assert realised == 0.875
+    with pytest.raises(ValueError, match="reachable range"):
+        with head_activation(model, 0.1):
+            pass
+    assert model.top_k_per_layer == before
+    assert preview_head_activation(model, 1.0) == (1.0, [0, 2, 2, 3, 2, 4]) and model.top_k_per_layer == before
+    dense = MoHDiTTransformer2DModel.from_preset("DiT-Tiny", sample_size=8)
+    with head_activation(dense, 1.0) as realised:
+        assert realised == 1.0
+    assert preview_head_activation(dense, None) == (1.0, [0] * 6)
 
 
 def test_class_labels_balanced_and_per_index():

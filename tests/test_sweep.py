@@ -2,7 +2,10 @@
 the written table / plot, errors before any sampling, and scripts/sweep_head_ratio.py."""
 
 import csv
+import dataclasses
+import io
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +17,19 @@ from torch import nn
 
 from moh_dit import MoHDiTTransformer2DModel
 from moh_dit import evaluation as ev
-from moh_dit.sampling import load_pipeline, png_path, quantize_dit
+from moh_dit.sampling import SampleSettings, load_pipeline, png_path, quantize_dit
 from moh_dit.sweep import (
+    PLOT_PANELS,
+    SweepRow,
+    SweepSettings,
     attention_flops,
+    figure_png,
     layer_attention_flops,
     parse_ratios,
     plan_ratios,
+    plot_fid_vs_ratio,
     run_sweep,
+    sweep_head_activation,
     transformer_calls_per_image,
     write_sweep,
 )
@@ -217,6 +226,58 @@ def test_written_files(sweep):
         "fid_vs_ratio.png", "ratio_0.5000", "ratio_0.7500", "ratio_1.0000", "sweep.csv", "sweep.json"]
     assert not list(out.rglob("*.tmp"))
     assert "NOT comparable" in result.table()
+
+
+def test_plot_shows_the_written_numbers(sweep):
+    """Each panel of fid_vs_ratio.png plots its column of sweep.json against the realised ratio."""
+    result, paths, _ = sweep
+    data = json.loads(paths["json"].read_text())
+    figure = plot_fid_vs_ratio([SweepRow(**row) for row in data["rows"]], "title", "subtitle", comparable=False)
+    assert [ax.get_ylabel() for ax in figure.axes] == [label for _, label in PLOT_PANELS] == ["FID"]
+    for ax, (column, _) in zip(figure.axes, PLOT_PANELS):
+        expected = sorted((row["realised_ratio"], row[column], row["ratio"]) for row in data["rows"])
+        (line,) = ax.lines
+        xs, ys = line.get_data()
+        assert list(xs) == [x for x, _, _ in expected] == [0.5, 0.75, 1.0]
+        assert list(ys) == [y for _, y, _ in expected]
+        labels = [text.get_text() for text in ax.texts]
+        assert labels == [f"{y:.2f}" if name == "1.0" else f"{name}: {y:.2f}" for _, y, name in expected]
+        assert ax.get_xlabel() == "head activation ratio (realised)"
+    subtitle = [text for text in figure.texts if text.get_text() == "subtitle"][0]
+    assert subtitle.get_color() == "#be1e1e"  # red: not comparable to published numbers
+    with PIL.Image.open(io.BytesIO(figure_png(figure))) as image:
+        assert image.size == (720, 460) and image.mode == "RGB"
+
+
+def test_plot_without_values_and_without_matplotlib(sweep, monkeypatch):
+    result, _, _ = sweep
+    empty = plot_fid_vs_ratio([dataclasses.replace(row, fid=None) for row in result.rows], "t", "s", comparable=True)
+    assert not empty.axes[0].lines and [t.get_text() for t in empty.axes[0].texts] == ["no FID values"]
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        plot_fid_vs_ratio(result.rows, "t", "s", comparable=True)
+
+
+def test_settings_types_give_the_same_sweep(sweep, model_dir, reference_dir):
+    """sweep_head_activation with SampleSettings + SweepSettings is what run_sweep's keywords make."""
+    result, _, _ = sweep
+    images = SampleSettings(num_samples=6, guidance_scale=1.5, num_inference_steps=2, seed=5)
+    settings = SweepSettings(batch_size=4, use_cache=False, progress=False)
+    again = sweep_head_activation(model_dir, [1.0], reference_dir, images, settings, extractor=ConvFeatures(), log=None)
+    assert (again.rows[0].fid, again.rows[0].sfid) == (result.rows[0].fid, result.rows[0].sfid)
+    assert again.rows[0].attention_flops_per_image == result.rows[0].attention_flops_per_image
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(batch_size=0), "batch_size must be >= 1, got 0"),
+    (dict(eval_batch_size=-1), "eval_batch_size must be >= 1, got -1"),
+    (dict(attention="flash"), "attention='flash'; choose one of"),
+    (dict(save_samples=True), "save_samples=True needs an output_dir"),
+    (dict(device="gpu0"), "is not a torch device"),
+])
+def test_sweep_settings_refuse_bad_values(changes, match):
+    with pytest.raises(ValueError, match=match):
+        SweepSettings(**changes)
 
 
 def test_errors_before_any_sampling_leave_nothing(model_dir, dense_dir, reference_dir, tmp_path, monkeypatch):

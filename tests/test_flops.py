@@ -1,0 +1,142 @@
+"""moh_dit.flops: the attention formula by hand, the whole forward pass against torch's own
+FLOP counter, DiT-XL/2 against the DiT paper, ratios, and the callers that must keep their
+numbers (sparse_attention.ideal_flop_ratio, the sweep's FLOP columns)."""
+
+from fractions import Fraction
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from moh_dit import MoHDiTTransformer2DModel, PRESETS, get_preset
+from moh_dit.flops import attention_flops, forward_flop_terms, forward_flops, model_attention_flops
+from moh_dit.sparse_attention import ideal_flop_ratio
+from moh_dit.sweep import attention_flops as sweep_attention_flops
+
+
+def meta_model(name: str, **overrides) -> MoHDiTTransformer2DModel:
+    """The model of a preset without memory for its weights (only its layout matters here)."""
+    with torch.device("meta"):
+        return MoHDiTTransformer2DModel.from_preset(name, **overrides)
+
+
+def counted_forward(model: MoHDiTTransformer2DModel, batch: int = 1) -> dict[str, int]:
+    """torch's FlopCounterMode over one forward pass, by aten op. SDPA runs its math backend:
+    the counter has no formula for the CPU flash kernel (it would count the attention core as 0),
+    while the math backend's two bmm are counted."""
+    cfg = model.config
+    x = torch.randn(batch, cfg.in_channels, cfg.sample_size, cfg.sample_size)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a shared machine a second intra-op thread only waits
+    try:
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            model(x, torch.full((batch,), 10), torch.zeros(batch, dtype=torch.long))
+    finally:
+        torch.set_num_threads(threads)
+    return {str(op).split(".")[-1]: flops for op, flops in counter.get_flop_counts()["Global"].items()}
+
+
+def test_attention_flops_by_hand():
+    # N=4 tokens, D=8, D_in=8: dense 2*4*8*8*4 + 4*16*8 = 2048 + 512.
+    assert attention_flops(4, 8, 8) == 2560 and isinstance(attention_flops(4, 8, 8), int)
+    # Half the (token, head) pairs: 2*4*8*8*(2 + 1) + 4*0.5*16*8 = 1536 + 256, exact as a Fraction.
+    assert attention_flops(4, 8, 8, Fraction(1, 2)) == 1792 and isinstance(attention_flops(4, 8, 8, Fraction(1, 2)), int)
+    assert attention_flops(4, 8, 8, 0.5) == 1792.0 and isinstance(attention_flops(4, 8, 8, 0.5), float)
+    assert attention_flops(4, 8, 8, 0) == 1024  # K and V projections only
+    assert attention_flops(4, 8, 8, Fraction(1, 3)) == pytest.approx(2 * 4 * 8 * 8 * (2 + 2 / 3) + 4 / 3 * 16 * 8)
+    for bad in (-0.1, 1.5, Fraction(4, 3)):
+        with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
+            attention_flops(4, 8, 8, bad)
+
+
+def test_ideal_flop_ratio_keeps_its_numbers():
+    """The formula ideal_flop_ratio had inline, to the last bit, for float ratios."""
+    for tokens, hidden, inner in ((16, 128, 128), (256, 768, 768), (1024, 1152, 1152), (256, 1152, 1728)):
+        for ratio in (0.0, 0.1, 1 / 3, 0.5, 0.75, 403 / 448, 1.0):
+            dense = 2 * tokens * hidden * inner * 4 + 4 * tokens**2 * inner
+            sparse = 2 * tokens * hidden * inner * (2 + 2 * ratio) + 4 * ratio * tokens**2 * inner
+            assert ideal_flop_ratio(tokens, hidden, inner, ratio) == sparse / dense
+
+
+def test_sweep_columns_keep_their_numbers():
+    """The sweep's per-layer integer count (before moh_dit.flops) at every preset's trained layout."""
+    for name in PRESETS:
+        model = meta_model(name)
+        cfg = model.config
+        n, d, D = (cfg.sample_size // cfg.patch_size) ** 2, cfg.attention_head_dim, cfg.hidden_size
+        shared = model.layer_shared or model.layer_heads
+        top_k = model.top_k_per_layer if model.is_moh else [0] * len(model.layer_heads)
+        sparse = sum(2 * n * D * d * (2 * h + 2 * (s + k)) + 4 * n * n * (s + k) * d
+                     for h, s, k in zip(model.layer_heads, shared, top_k))
+        dense = sum(2 * n * D * h * d * 4 + 4 * n * n * h * d for h in model.layer_heads)
+        assert sweep_attention_flops(model) == model_attention_flops(model) == (sparse, dense), name
+        assert model_attention_flops(get_preset(name)) == (sparse, dense), name
+
+
+def test_dense_dit_forward_matches_torch_flop_counter():
+    """A DiT-S/2 forward (256 tokens) counted by torch: every matmul the model runs. The two
+    counts agree exactly (tolerance 0), op by op: the patch embedding is the convolution, the
+    attention core (4 N^2 D_in per layer) the math SDPA's bmm, the rest linear layers."""
+    model = MoHDiTTransformer2DModel.from_preset("DiT-S/2").eval()
+    counted = counted_forward(model, batch=2)
+    terms = forward_flop_terms(model, batch=2)
+    tokens, inner, layers = 256, 384, 12
+    assert counted["convolution"] == terms["patch_embedding"]
+    assert counted["bmm"] == 2 * layers * 4 * tokens**2 * inner
+    assert sum(counted.values()) == forward_flops(model, batch=2) == 2 * forward_flops(model)
+    assert terms["routers"] == 0
+
+
+def test_moh_forward_matches_torch_flop_counter():
+    """MoH-DiT-S/2-75 on the dense-masked path computes every head, so torch counts the dense
+    attention (forward_flops at ratio 1.0) plus every router, which are the plain ``mm``."""
+    model = MoHDiTTransformer2DModel.from_preset("MoH-DiT-S/2-75").eval()
+    model.set_sparse_inference(False)
+    counted = counted_forward(model)
+    assert sum(counted.values()) == forward_flops(model, ratio=1.0)
+    assert counted["mm"] == forward_flop_terms(model)["routers"] > 0
+
+
+def test_dit_xl_2_against_the_dit_paper():
+    """DiT-XL/2 at 256 px: 237,242,843,136 FLOPs, i.e. 118.62 G multiply-adds; the DiT paper
+    (Table 4) gives 118.6 GFLOPs, counted as multiply-adds."""
+    flops = forward_flops(get_preset("DiT-XL/2"))
+    assert flops == 237_242_843_136
+    assert flops / 2e9 == pytest.approx(118.6, abs=0.05)
+    terms = forward_flop_terms(get_preset("DiT-XL/2"))
+    assert terms["attention"] + terms["mlp"] == 28 * (24 * 256 * 1152**2 + 4 * 256**2 * 1152)
+    assert forward_flops(meta_model("DiT-XL/2")) == flops  # a model and its config count the same
+
+
+def test_ratio_changes_only_the_attention_and_leaves_the_model_alone():
+    model = meta_model("MoH-DiT-XL/2-75")  # reachable: [0.6652, 1]
+    model.set_head_activation_ratio(0.8)  # a non-trained setting, the default of ratio=None
+    before = model.top_k_per_layer
+    terms = {ratio: forward_flop_terms(model, ratio) for ratio in (None, 1.0, 0.75, 0.7)}
+    assert model.top_k_per_layer == before
+    assert terms[None]["attention"] == model_attention_flops(model)[0]
+    assert terms[1.0]["attention"] == model_attention_flops(model)[1]
+    attention = [terms[r]["attention"] for r in (1.0, None, 0.75, 0.7)]
+    assert attention == sorted(attention, reverse=True) and len(set(attention)) == 4
+    for part in ("patch_embedding", "timestep_embedding", "adaln_modulation", "routers", "mlp", "final_layer"):
+        assert len({t[part] for t in terms.values()}) == 1, part
+    config = get_preset("MoH-DiT-XL/2-75")
+    assert forward_flops(config) == forward_flops(meta_model("MoH-DiT-XL/2-75"))  # trained layout
+    assert forward_flops(config, 1.0) == forward_flops(model, 1.0)
+    with pytest.raises(ValueError, match="pass the model instead"):
+        forward_flops(config, 0.8)
+    with pytest.raises(ValueError, match="reachable range"):
+        forward_flops(model, 0.5)
+    with pytest.raises(ValueError, match="dense DiT always runs at head activation ratio 1.0"):
+        forward_flops(get_preset("DiT-B/2"), 0.5)
+    assert forward_flops(get_preset("DiT-B/2"), 1.0) == forward_flops(get_preset("DiT-B/2"))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="batch must be an int >= 1"):
+        forward_flops(get_preset("DiT-S/2"), batch=0)
+    with pytest.raises(ValueError, match="lacks"):
+        forward_flops({"hidden_size": 384})
+    with pytest.raises(ValueError, match="top_k has 2 entries for a 12-layer model"):
+        model_attention_flops(get_preset("MoH-DiT-S/2-75"), [1, 1])
