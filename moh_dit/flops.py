@@ -82,7 +82,9 @@ def _layout(config_or_model: Mapping[str, Any] | Any) -> _Layout:
     config = dict(config_or_model if model is None else model.config)
     missing = [key for key in _REQUIRED if key not in config]
     if missing:
-        raise ValueError(f"the config lacks {missing}; pass a MoHDiTTransformer2DModel config (e.g. get_preset(...)) or a model.")
+        raise ValueError(
+            f"the config lacks {missing}; pass a MoHDiTTransformer2DModel config (e.g. get_preset(...)) or a model."
+        )
     heads, shared, top_k = resolve_layer_layout(
         config["num_layers"], config["num_attention_heads"], config.get("num_shared_heads"), config.get("top_k")
     )

@@ -15,6 +15,11 @@ that exists is complete). The up-to-50k images are finally streamed into one ADM
     settings = SampleSettings(num_samples=50_000, guidance_scale=1.5, num_inference_steps=250)
     sample_images(pipe, "samples/xl-90", settings, batch_size=32)
     write_adm_npz("samples/xl-90", settings.num_samples)
+
+To run a model at another head activation ratio for a while, use
+``with head_activation(model, ratio):`` (``moh_dit.head_activation``, re-exported here): the
+pipeline's ``head_activation_ratio=`` and :func:`preview_head_activation` both go through it,
+and it restores the model's per-layer top-K on exit, also on error.
 """
 
 from __future__ import annotations

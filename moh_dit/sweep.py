@@ -163,9 +163,8 @@ def layer_attention_flops(tokens: int, hidden: int, heads: int, head_dim: int, a
     if not 0 <= active_heads <= heads:
         raise ValueError(f"active_heads={active_heads} must be in [0, heads={heads}].")
     inner = heads * head_dim
-    return flops.attention_flops(tokens, hidden, inner, Fraction(active_heads, heads)), flops.attention_flops(
-        tokens, hidden, inner
-    )
+    sparse = flops.attention_flops(tokens, hidden, inner, Fraction(active_heads, heads))
+    return sparse, flops.attention_flops(tokens, hidden, inner)
 
 
 def attention_flops(transformer: MoHDiTTransformer2DModel, top_k: Sequence[int] | None = None) -> tuple[int, int]:
@@ -491,8 +490,13 @@ def _evaluate_ratio(run: _Run, plan: RatioPlan) -> tuple[SweepRow, EvaluationRes
 
 
 def _assemble_result(
-    run: _Run, rows: list[SweepRow], results: Sequence[EvaluationResult], model_label: str, ratios: Sequence[float | str] | str,
-    reference: PathLike | ReferenceStatistics, attention: tuple[bool | None, str],
+    run: _Run,
+    rows: list[SweepRow],
+    results: Sequence[EvaluationResult],
+    model_label: str,
+    ratios: Sequence[float | str] | str,
+    reference: PathLike | ReferenceStatistics,
+    attention: tuple[bool | None, str],
 ) -> SweepResult:
     """The rows and every setting that produced them (``sweep.json``'s ``settings``)."""
     pipe, images, settings, transformer = run.pipe, run.images, run.settings, run.pipe.transformer
@@ -555,8 +559,8 @@ def sweep_head_activation(
     of the one ``settings`` names.
 
     The steps: plan the ratios (and check them against the model), load or compute the
-    reference statistics once, then per ratio sample and evaluate (:func:`_evaluate_ratio`),
-    and assemble the result. Everything is validated, and the extractor and reference are
+    reference statistics once, then per ratio sample the images and evaluate them as they
+    stream in, and assemble the result. Everything is validated, and the extractor and reference are
     loaded, before the first image is sampled. Nothing but ``save_samples``' PNGs is written
     here; use :func:`write_sweep` to write the results (so a sweep that fails midway leaves no
     table).
