@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .io_utils import publish_folder
+from .output_folders import check_folder_path
 from .presets import PRESETS, get_preset
 from .transformer_moh_dit import MoHDiTTransformer2DModel
 
@@ -339,12 +340,7 @@ def load_checkpoint_state_dict(source: str | os.PathLike, weights: str = "ema") 
 def _check_output(output: Path, overwrite: bool) -> None:
     """Refuse an output that is a file (or lies under one) whatever ``overwrite`` says, and a
     non-empty folder without it: nothing the user made is replaced unasked."""
-    for folder in (output, *output.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                what = "is a file" if folder == output else f"lies under {folder}, which is a file"
-                raise FileExistsError(f"Output {output} {what}; --output (output=) must be a folder path.")
-            break
+    check_folder_path(output, "Output", "--output (output=) must be a folder path", error=FileExistsError)
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise FileExistsError(
             f"Output folder {output} exists and is not empty; choose another or pass --overwrite (overwrite=True) "

@@ -8,10 +8,11 @@ or an unrelated folder, and a file where a parent folder must be created is refu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["check_output_folder"]
+__all__ = ["check_folder_path", "check_output_folder"]
 
 
 def check_output_folder(path: Path, overwrite: bool, is_ours: Callable[[Path], bool], what: str,
@@ -40,3 +41,16 @@ def check_output_folder(path: Path, overwrite: bool, is_ours: Callable[[Path], b
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise FileExistsError(f"cannot create {shown}: {str(ancestor)!r} is a file")
+
+
+def check_folder_path(path: str | os.PathLike, what: str, advice: str = "give a folder",
+                      error: type[Exception] = ValueError) -> None:
+    """Refuse a folder path that is a file or lies under one, before anything is made; the
+    message names the path as ``what`` (a flag such as ``--output``) and ends with ``advice``."""
+    path = Path(path)
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                where = "is a file" if folder == path else f"lies under {folder}, which is a file"
+                raise error(f"{what} {path} {where}; {advice}.")
+            return

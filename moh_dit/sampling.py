@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from .head_activation import head_activation, preview_head_activation
 from .io_utils import atomic_write, write_json_atomic
 from .latents import load_vae
+from .output_folders import check_folder_path
 from .pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, SEED_RANGE, MoHDiTPipeline, make_scheduler
 from .transformer_moh_dit import MoHDiTTransformer2DModel
 
@@ -363,18 +364,6 @@ def _check_output_folder(output: Path) -> None:
 # --------------------------------------------------------------------------------------
 # Flag checks in the scripts' spelling (scripts/sample.py, scripts/sweep_head_ratio.py)
 # --------------------------------------------------------------------------------------
-
-
-def check_folder_path(path: str | os.PathLike, what: str, advice: str = "give a folder") -> None:
-    """Refuse a folder path that is a file or lies under one, before anything is made; the
-    message names the path as ``what`` (a flag such as ``--output``) and ends with ``advice``."""
-    path = Path(path)
-    for folder in (path, *path.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                where = "is a file" if folder == path else f"lies under {folder}, which is a file"
-                raise ValueError(f"{what} {path} {where}; {advice}.")
-            return
 
 
 def check_seed_flags(guidance_scale: float, seed: int, num_samples: int) -> None:
