@@ -1,6 +1,5 @@
 """The developer tools in benchmarks/, run from their own folder at toy sizes."""
 
-import functools
 import importlib.util
 import json
 import math
@@ -38,14 +37,6 @@ def load_tool(monkeypatch):
         return module
 
     return load
-
-
-@pytest.fixture
-def one_thread(request):
-    """One torch thread for the test, then the previous count: on a shared machine every parallel
-    region of a toy-sized forward can wait for a core that another process holds."""
-    request.addfinalizer(functools.partial(torch.set_num_threads, torch.get_num_threads()))
-    torch.set_num_threads(1)
 
 
 def run_tool(name: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:

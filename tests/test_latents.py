@@ -13,35 +13,15 @@ import moh_dit.latents as latents_mod
 from moh_dit.data import CorruptImageError, ImageFolderDataset, flip_for
 from moh_dit.latents import LatentDataset, encode_distribution, extract_latents, load_vae
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SIZE = 32  # image size; the tiny VAE downsamples by 8 -> 4x4 latents
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    # The tiny VAE's convolutions are microseconds each; OpenMP's per-op thread hand-off
-    # costs more than that and degrades badly when other processes share the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def vae_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=SIZE,
-    )
+def vae_dir(tmp_path_factory, tiny_vae):
     path = tmp_path_factory.mktemp("vae") / "tiny-vae"
-    vae.save_pretrained(path)
+    tiny_vae(levels=4, sample_size=SIZE).save_pretrained(path)
     return path
 
 

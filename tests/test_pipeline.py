@@ -15,29 +15,6 @@ STEPS = 3
 NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship, boat", "truck"]
 
 
-def tiny_pipe(randomize, seed=0, **overrides):
-    model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, **overrides), seed=seed).eval()
-    return MoHDiTPipeline(transformer=model, scheduler=make_scheduler("ddpm"))
-
-
-def tiny_vae():
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8), layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        norm_num_groups=4, sample_size=16,
-    )
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in vae.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    return vae.eval()
-
-
-def latent_pipe(randomize):
-    model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, in_channels=4), seed=2).eval()
-    return MoHDiTPipeline(transformer=model, scheduler=make_scheduler("ddpm"), vae=tiny_vae())
-
-
 def count_forward(model):
     calls = []
     original = model.forward
@@ -50,8 +27,8 @@ def count_forward(model):
     return calls
 
 
-def test_output_types_and_shapes(randomize):
-    pipe = tiny_pipe(randomize)
+def test_output_types_and_shapes(tiny_pipe):
+    pipe = tiny_pipe()
     out = pipe([1, 2, 3], guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1, 2], output_type="np")
     assert isinstance(out, MoHDiTPipelineOutput)
     assert out.images.shape == (3, 8, 8, 3) and out.images.min() >= 0 and out.images.max() <= 1
@@ -67,8 +44,8 @@ def test_output_types_and_shapes(randomize):
     assert ratio == pytest.approx(0.75) and len(usage) == 6
 
 
-def test_generator_determinism(randomize):
-    pipe = tiny_pipe(randomize)
+def test_generator_determinism(tiny_pipe):
+    pipe = tiny_pipe()
     run = lambda seed: pipe([4, 5], guidance_scale=2.0, num_inference_steps=STEPS, output_type="pt",
                             generator=torch.Generator().manual_seed(seed)).images
     a, b, c = run(0), run(0), run(1)
@@ -76,12 +53,12 @@ def test_generator_determinism(randomize):
     assert (a - c).abs().max() > 1e-3
 
 
-def test_image_independent_of_batch(randomize):
+def test_image_independent_of_batch(tiny_pipe):
     """Image i comes out the same alone or in a batch: its own initial noise *and* its own
     DDPM step noise (the scheduler's single-generator draw would mix the batch). A float64
     model makes it exact; in float32 CPU matmuls differ by ~1e-6 between batch sizes, which
     the 1/sqrt(alpha_bar) of the x0 prediction amplifies (see the float32 check)."""
-    pipe = tiny_pipe(randomize)
+    pipe = tiny_pipe()
     kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, output_type="latent")
     batch = pipe([3, 7, 1], seeds=[10, 11, 12], **kwargs).images
     alone = pipe([7], seeds=[11], **kwargs).images
@@ -116,10 +93,10 @@ def dit_reference_sample(model, label, seed, steps, scale, clip):
     return x
 
 
-def test_ddpm_matches_dit_sampler(randomize):
+def test_ddpm_matches_dit_sampler(tiny_pipe, tiny_vae):
     """Default DDPM (learned range, linspace spacing) + guidance_channels="dit" is DiT's
     sampler; on a 4-channel latent model "all" guides the 4th eps channel too."""
-    pipe = latent_pipe(randomize)
+    pipe = tiny_pipe(seed=2, in_channels=4, vae=tiny_vae(seed=5, std=0.1))
     steps = 6
     assert pipe.scheduler.config.timestep_spacing == "linspace"
     pipe.scheduler.set_timesteps(steps)
@@ -132,10 +109,10 @@ def test_ddpm_matches_dit_sampler(randomize):
     assert (every - dit).abs().max() > 1e-3
 
 
-def test_clip_sample_and_custom_timesteps_match_dit(randomize):
+def test_clip_sample_and_custom_timesteps_match_dit(tiny_pipe):
     """clip_sample=True is IDDPM's clip_denoised; explicit ADM section respacing ("3,2":
     3 steps from [0, 500), 2 from [500, 1000)) through ``timesteps=``."""
-    pipe = tiny_pipe(randomize)
+    pipe = tiny_pipe()
     pipe.scheduler = make_scheduler("ddpm", clip_sample=True)
     kept = space_timesteps(1000, "3,2")
     ours = pipe([2], guidance_scale=2.0, timesteps=kept[::-1], seeds=[1], output_type="latent").images
@@ -143,8 +120,8 @@ def test_clip_sample_and_custom_timesteps_match_dit(randomize):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_no_unconditional_half_without_guidance(randomize):
-    pipe = tiny_pipe(randomize)
+def test_no_unconditional_half_without_guidance(tiny_pipe):
+    pipe = tiny_pipe()
     seen = []
     original = pipe.transformer.forward
     pipe.transformer.forward = lambda x, *a, **k: (seen.append(x.shape[0]), original(x, *a, **k))[1]
@@ -153,8 +130,8 @@ def test_no_unconditional_half_without_guidance(randomize):
     assert seen == [2, 2, 4, 4]
 
 
-def test_head_activation_ratio_per_call(randomize):
-    pipe = tiny_pipe(randomize)
+def test_head_activation_ratio_per_call(tiny_pipe):
+    pipe = tiny_pipe()
     model = pipe.transformer
     model.set_head_activation_ratio(0.875)  # a non-trained setting the call must give back
     before = model.top_k_per_layer
@@ -172,8 +149,8 @@ def test_head_activation_ratio_per_call(randomize):
     assert (low.images - default.images).abs().max() > 1e-4
 
 
-def test_ratio_and_train_mode_restored_on_error(randomize):
-    pipe = tiny_pipe(randomize)
+def test_ratio_and_train_mode_restored_on_error(tiny_pipe):
+    pipe = tiny_pipe()
     model = pipe.transformer.train()
     before = model.top_k_per_layer
 
@@ -186,9 +163,9 @@ def test_ratio_and_train_mode_restored_on_error(randomize):
     assert model.top_k_per_layer == before and model.training
 
 
-def test_train_mode_model_samples_like_eval(randomize):
+def test_train_mode_model_samples_like_eval(tiny_pipe):
     """Label dropout must not act while sampling; the model's mode is given back."""
-    pipe = tiny_pipe(randomize, class_dropout_prob=0.9)
+    pipe = tiny_pipe(class_dropout_prob=0.9)
     kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="latent")
     ref = pipe([1, 2], **kwargs).images
     pipe.transformer.train()
@@ -196,8 +173,8 @@ def test_train_mode_model_samples_like_eval(randomize):
     assert pipe.transformer.training
 
 
-def test_save_load_roundtrip_pixel_space(tmp_path, randomize):
-    pipe = tiny_pipe(randomize, class_names=NAMES)
+def test_save_load_roundtrip_pixel_space(tmp_path, tiny_pipe):
+    pipe = tiny_pipe(class_names=NAMES)
     pipe.scheduler = make_scheduler("ddpm", clip_sample=True)
     kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="pt")
     ref = pipe(["cat", "boat"], **kwargs).images
@@ -209,8 +186,8 @@ def test_save_load_roundtrip_pixel_space(tmp_path, randomize):
     torch.testing.assert_close(loaded(["cat", "boat"], **kwargs).images, ref, rtol=0, atol=0)
 
 
-def test_custom_id2label_saved(tmp_path, randomize):
-    pipe = MoHDiTPipeline(transformer=tiny_pipe(randomize).transformer, scheduler=make_scheduler("ddim"),
+def test_custom_id2label_saved(tmp_path, tiny_pipe):
+    pipe = MoHDiTPipeline(transformer=tiny_pipe().transformer, scheduler=make_scheduler("ddim"),
                           id2label={0: "zero", "9": "nine"})
     pipe.save_pretrained(tmp_path)
     loaded = MoHDiTPipeline.from_pretrained(tmp_path)
@@ -218,8 +195,8 @@ def test_custom_id2label_saved(tmp_path, randomize):
     assert loaded.get_label_ids(["Nine", 3]) == [9, 3]
 
 
-def test_vae_pipeline_and_roundtrip(tmp_path, randomize):
-    pipe = latent_pipe(randomize)
+def test_vae_pipeline_and_roundtrip(tmp_path, tiny_pipe, tiny_vae):
+    pipe = tiny_pipe(seed=2, in_channels=4, vae=tiny_vae(seed=5, std=0.1))
     kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="pt")
     out = pipe([1, 9], **kwargs)
     assert out.images.shape == (2, 3, 16, 16)  # 8x8x4 latents, VAE downsampling 2
@@ -233,10 +210,10 @@ def test_vae_pipeline_and_roundtrip(tmp_path, randomize):
     torch.testing.assert_close(loaded([1, 9], **kwargs).images, out.images, rtol=0, atol=0)
 
 
-def test_model_cpu_offload(randomize):
+def test_model_cpu_offload(tiny_pipe, tiny_vae):
     """Offload hooks run on a CPU-only machine with device="cpu" (on a GPU machine the
     default accelerator is used); the output must not change and the models end on the CPU."""
-    pipe = latent_pipe(randomize)
+    pipe = tiny_pipe(seed=2, in_channels=4, vae=tiny_vae(seed=5, std=0.1))
     kwargs = dict(guidance_scale=1.5, num_inference_steps=2, seeds=[0], output_type="pt")
     ref = pipe([3], **kwargs).images
     pipe.enable_model_cpu_offload(device="cpu")
@@ -258,11 +235,11 @@ def record_steps(scheduler):
     return seen
 
 
-def test_other_schedulers_use_eps_half(randomize):
+def test_other_schedulers_use_eps_half(tiny_pipe):
     """DDIM, DPM-Solver++ and fixed-variance DDPM get the eps half only, on the paper's schedule
     (1000 linear betas 1e-4..0.02) respaced as hand-computed below, and their last step
     lands on the x0 prediction ``(x - sqrt(1 - abar_t) eps) / sqrt(abar_t)``, abar from those betas."""
-    pipe = tiny_pipe(randomize)
+    pipe = tiny_pipe()
     abar = np.cumprod(1 - np.linspace(1e-4, 0.02, 1000, dtype=np.float64))
     # "linspace" spacing of 3 steps over 0..999: round(linspace(0, 999, 3)) reversed for DDIM and
     # DDPM; DPM-Solver takes round(linspace(0, 999, 4)) reversed without its last entry.
@@ -282,15 +259,15 @@ def test_other_schedulers_use_eps_half(randomize):
         torch.testing.assert_close(out.images, prev, rtol=0, atol=0)
 
 
-def test_label_names(randomize):
-    pipe = tiny_pipe(randomize, class_names=NAMES)
+def test_label_names(tiny_pipe):
+    pipe = tiny_pipe(class_names=NAMES)
     assert pipe.get_label_ids(["Cat", " DOG ", "ship", "boat", 0, np.int64(4), torch.tensor(7)]) == [3, 5, 8, 8, 0, 4, 7]
     assert pipe.get_label_ids("truck") == [9]
     assert pipe.get_label_ids(10) == [10]  # the null class: an unconditional sample
     assert pipe.labels["boat"] == 8
 
 
-def test_imagenet_names_by_default(randomize):
+def test_imagenet_names_by_default(randomize, tiny_pipe):
     model = randomize(MoHDiTTransformer2DModel.from_preset("DiT-Tiny", sample_size=8, num_classes=1000)).eval()
     pipe = MoHDiTPipeline(transformer=model, scheduler=make_scheduler("ddpm"))
     assert pipe.id2label == imagenet_id2label() and len(pipe.id2label) == 1000
@@ -301,7 +278,7 @@ def test_imagenet_names_by_default(randomize):
     assert out.head_activation_ratio == 1.0 and all((u == 1).all() for u in out.head_usage)
     # No names for a 10-class model without class_names.
     with pytest.raises(ValueError, match="no class names"):
-        tiny_pipe(randomize).get_label_ids("cat")
+        tiny_pipe().get_label_ids("cat")
 
 
 @pytest.mark.parametrize(
@@ -337,8 +314,8 @@ def test_imagenet_names_by_default(randomize):
         (dict(class_labels=[1], timesteps=[999, 500, 0], num_inference_steps=None), None),
     ],
 )
-def test_bad_input_raises_before_compute(randomize, kwargs, message):
-    pipe = tiny_pipe(randomize, class_names=NAMES)
+def test_bad_input_raises_before_compute(kwargs, message, tiny_pipe):
+    pipe = tiny_pipe(class_names=NAMES)
     if message is None:  # custom timesteps: fine for DDPM, refused by DDIM
         pipe.scheduler = make_scheduler("ddim")
         message = "DDIMScheduler does not accept custom timesteps"
@@ -349,8 +326,8 @@ def test_bad_input_raises_before_compute(randomize, kwargs, message):
     assert not calls and pipe.transformer.top_k_per_layer == before
 
 
-def test_check_inputs_is_callable_alone(randomize):
-    pipe = tiny_pipe(randomize)
+def test_check_inputs_is_callable_alone(tiny_pipe):
+    pipe = tiny_pipe()
     calls = count_forward(pipe.transformer)
     pipe.check_inputs([1, 2], 1.5, 250, head_activation_ratio=0.6, seeds=[0, 1])  # valid: no error, no compute
     with pytest.raises(ValueError, match="guidance_scale=inf"):
@@ -358,9 +335,9 @@ def test_check_inputs_is_callable_alone(randomize):
     assert not calls
 
 
-def test_non_finite_latents_name_the_step(randomize):
+def test_non_finite_latents_name_the_step(tiny_pipe):
     """A NaN that appears mid-run is an error naming the step, not a black image."""
-    pipe = tiny_pipe(randomize)
+    pipe = tiny_pipe()
     calls = []
 
     def poison(module, args, output):  # NaN out of the third transformer call (step index 2)
@@ -383,10 +360,10 @@ def test_non_finite_latents_name_the_step(randomize):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_non_finite_latents_on_cuda_are_found_after_the_loop(randomize):
+def test_non_finite_latents_on_cuda_are_found_after_the_loop(tiny_pipe):
     """On CUDA the check makes no per-step host sync: the run goes on to the end, and the error
     still names the first bad step."""
-    pipe = tiny_pipe(randomize).to("cuda")
+    pipe = tiny_pipe().to("cuda")
     calls = []
 
     def poison(module, args, output):
@@ -426,10 +403,10 @@ def test_scheduler_model_mismatch_rejected(randomize):
         pipe([1], num_inference_steps=2)
 
 
-def test_constructor_checks(randomize):
+def test_constructor_checks(randomize, tiny_pipe):
     latent_model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, in_channels=4))
     with pytest.raises(ValueError, match="latent model: pass its VAE"):
         MoHDiTPipeline(transformer=latent_model, scheduler=make_scheduler())
     with pytest.raises(ValueError, match="id 10, outside"):
-        tiny_pipe(randomize).__class__(transformer=tiny_pipe(randomize).transformer, scheduler=make_scheduler(),
+        tiny_pipe().__class__(transformer=tiny_pipe().transformer, scheduler=make_scheduler(),
                                        id2label={10: "x"})

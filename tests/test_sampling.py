@@ -1,6 +1,7 @@
 """Sampling at scale: labels, index ownership, DiT quantisation, the streamed ADM .npz,
 determinism across batch sizes and process counts, resume, and scripts/sample.py."""
 
+import functools
 import json
 
 import numpy as np
@@ -24,11 +25,11 @@ from moh_dit.sampling import (
     write_adm_npz,
 )
 
-def tiny_pipe(randomize, dtype=torch.float64):
+@pytest.fixture
+def sampling_pipe(tiny_pipe):
     # float64: CPU matmuls then give bit-identical per-image results for any batch size
     # (float32 ones differ by ~1e-6, which can flip a uint8 level).
-    model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8), seed=4).eval().to(dtype)
-    return MoHDiTPipeline(transformer=model, scheduler=make_scheduler("ddpm", clip_sample=True))
+    return functools.partial(tiny_pipe, seed=4, dtype=torch.float64, clip_sample=True)
 
 
 def read_pngs(folder, n):
@@ -111,8 +112,8 @@ def test_adm_npz_streams_pngs(tmp_path):
     assert not (tmp_path / "five.npz").exists() and not list(tmp_path.glob("*.tmp"))
 
 
-def test_same_images_for_any_batch_size_and_process_count(tmp_path, randomize):
-    pipe = tiny_pipe(randomize)
+def test_same_images_for_any_batch_size_and_process_count(tmp_path, sampling_pipe):
+    pipe = sampling_pipe()
     assert sample_images(pipe, tmp_path / "a", SETTINGS, batch_size=1, progress=False) == 4
     for rank in range(2):
         sample_images(pipe, tmp_path / "b", SETTINGS, batch_size=3, rank=rank, world_size=2, progress=False)
@@ -125,8 +126,8 @@ def test_same_images_for_any_batch_size_and_process_count(tmp_path, randomize):
     np.testing.assert_array_equal(quantize_dit(latents)[0], a[3])
 
 
-def test_resume_after_interruption(tmp_path, randomize):
-    pipe = tiny_pipe(randomize)
+def test_resume_after_interruption(tmp_path, sampling_pipe):
+    pipe = sampling_pipe()
     sample_images(pipe, tmp_path / "full", SETTINGS, batch_size=4, progress=False)
 
     def crash(batch):
@@ -144,10 +145,10 @@ def test_resume_after_interruption(tmp_path, randomize):
     assert sample_images(pipe, tmp_path / "run", SETTINGS, batch_size=2, progress=False) == 0
 
 
-def test_script_end_to_end_and_resume_checks(tmp_path, randomize, load_script):
+def test_script_end_to_end_and_resume_checks(tmp_path, load_script, sampling_pipe):
     script = load_script("sample")
     model_dir, out = tmp_path / "model", tmp_path / "out"
-    tiny_pipe(randomize, torch.float32).transformer.save_pretrained(model_dir)
+    sampling_pipe(dtype=torch.float32).transformer.save_pretrained(model_dir)
     argv = ["--model", str(model_dir), "--output", str(out), "--num-samples", "4", "--per-device-batch-size", "3",
             "--num-inference-steps", "2", "--guidance-scale", "1.5", "--head-activation-ratio", "0.6"]
     assert script.main(script.parse_args(argv)) == 0
@@ -174,9 +175,9 @@ def test_script_end_to_end_and_resume_checks(tmp_path, randomize, load_script):
         assert data["arr_0"].shape[0] == 6
 
 
-def test_script_rejects_bad_ratio_before_writing(tmp_path, randomize, load_script):
+def test_script_rejects_bad_ratio_before_writing(tmp_path, load_script, sampling_pipe):
     script = load_script("sample")
-    tiny_pipe(randomize, torch.float32).transformer.save_pretrained(tmp_path / "model")
+    sampling_pipe(dtype=torch.float32).transformer.save_pretrained(tmp_path / "model")
     args = script.parse_args(["--model", str(tmp_path / "model"), "--output", str(tmp_path / "out"),
                               "--head-activation-ratio", "0.2"])
     with pytest.raises(ValueError, match=r"outside the reachable range \[0\.5000, 1\.0\]"):
@@ -184,9 +185,9 @@ def test_script_rejects_bad_ratio_before_writing(tmp_path, randomize, load_scrip
     assert not (tmp_path / "out").exists()
 
 
-def test_script_pipeline_folder_and_dry_run(tmp_path, randomize, capsys, load_script):
+def test_script_pipeline_folder_and_dry_run(tmp_path, capsys, load_script, sampling_pipe):
     script = load_script("sample")
-    pipe = tiny_pipe(randomize, torch.float32)
+    pipe = sampling_pipe(dtype=torch.float32)
     pipe.scheduler = make_scheduler("ddim")
     pipe.save_pretrained(tmp_path / "pipe")
     args = script.parse_args(["--model", str(tmp_path / "pipe"), "--output", str(tmp_path / "out"),

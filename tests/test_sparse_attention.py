@@ -13,16 +13,6 @@ from moh_dit import PRESETS, MoHDiTTransformer2DModel, top_k_for_ratio
 from moh_dit.sparse_attention import MoHSparseAttnProcessor, ideal_flop_ratio, sparse_attention_reference
 from moh_dit.transformer_moh_dit import MoHAttention, MoHAttnProcessor, MoHRouting, SparseInferencePolicy
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from threads, and on a shared machine every parallel region
-    of the many small per-head calls can wait for a busy core; restore afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 DENSE = MoHAttnProcessor()
 # dense_above=1.0: always skip, so that dense layouts really test the sparse computation.
 SPARSE = MoHSparseAttnProcessor(dense_above=1.0)  # "per_head" on CPU
@@ -32,7 +22,10 @@ ALL = (SPARSE, BATCHED, PACKED)
 
 # On CPU the jagged SDPA of the packed strategy runs torch's math fallback, which warns
 # that strided nested tensors are a prototype.
-pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype"),
+]
 
 
 def rel_err(a, b):

@@ -34,6 +34,8 @@ from moh_dit.sweep import (
     write_sweep,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SIZE = 16  # 16x16 RGB, patch 4: 16 tokens
 # Small and fast, and uneven batches (4 + 2) so the last partial batch is exercised.
 SWEEP = dict(num_samples=6, batch_size=4, num_inference_steps=2, guidance_scale=1.5, seed=5,
@@ -56,38 +58,21 @@ class ConvFeatures(nn.Module):
         return {"pool": h.mean(dim=(2, 3)), "logits": h.amax(dim=(2, 3)), "spatial": F.adaptive_avg_pool2d(h, 2).flatten(1)}
 
 
-def _random_model(preset: str, seed: int) -> MoHDiTTransformer2DModel:
-    # DiT's init zeroes the adaLN and output layers (every block the identity); random
-    # weights make the ratio matter.
-    model = MoHDiTTransformer2DModel.from_preset(preset, sample_size=SIZE)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # These tensors are tiny: a second intra-op thread never helps, and on a loaded machine
-    # each op then waits for a descheduled thread (measured here: 34 s instead of 0.4 s).
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+def _random_model(randomize, preset: str, seed: int) -> MoHDiTTransformer2DModel:
+    return randomize(MoHDiTTransformer2DModel.from_preset(preset, sample_size=SIZE), std=0.1, seed=seed).eval()
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
+def model_dir(tmp_path_factory, randomize) -> Path:
     path = tmp_path_factory.mktemp("moh") / "transformer"
-    _random_model("MoH-DiT-Tiny", seed=3).save_pretrained(path)
+    _random_model(randomize, "MoH-DiT-Tiny", seed=3).save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="module")
-def dense_dir(tmp_path_factory) -> Path:
+def dense_dir(tmp_path_factory, randomize) -> Path:
     path = tmp_path_factory.mktemp("dense") / "transformer"
-    _random_model("DiT-Tiny", seed=3).save_pretrained(path)
+    _random_model(randomize, "DiT-Tiny", seed=3).save_pretrained(path)
     return path
 
 
@@ -127,8 +112,8 @@ def test_layer_attention_flops_hand_case():
         layer_attention_flops(4, 8, 2, 4, 3)
 
 
-def test_attention_flops_of_models():
-    moh = _random_model("MoH-DiT-Tiny", seed=0)
+def test_attention_flops_of_models(randomize):
+    moh = _random_model(randomize, "MoH-DiT-Tiny", seed=0)
     n, hidden, d = 16, 128, 32
     active = [s + k for s, k in zip(moh.layer_shared, moh.trained_top_k)]  # [4, 3, 3, 3, 3, 2]
     expected = sum(2 * n * hidden * 4 * d * (2 + 2 * a / 4) + 4 * (a / 4) * n * n * 4 * d for a in active)
@@ -136,15 +121,15 @@ def test_attention_flops_of_models():
     assert sparse == pytest.approx(expected, rel=1e-12)
     assert dense == 6 * (2 * n * hidden * 4 * d * 4 + 4 * n * n * 4 * d)
     assert attention_flops(moh, [0, 2, 2, 3, 2, 4]) == (dense, dense)  # every head active
-    assert attention_flops(_random_model("DiT-Tiny", seed=0)) == (dense, dense)
+    assert attention_flops(_random_model(randomize, "DiT-Tiny", seed=0)) == (dense, dense)
     assert transformer_calls_per_image(250, 1.5) == 500 and transformer_calls_per_image(250, 1.0) == 250
 
 
-def test_plan_ratios_realises_the_models_layouts():
-    model = _random_model("MoH-DiT-Tiny", seed=0)
+def test_plan_ratios_realises_the_models_layouts(randomize):
+    model = _random_model(randomize, "MoH-DiT-Tiny", seed=0)
     plans = plan_ratios(model, parse_ratios("trained,1.0,0.9,0.75,0.6,min"))
     assert [p.label for p in plans] == ["1.0", "0.9", "trained/0.75", "0.6", "min"]  # highest first, duplicates merged
-    probe = _random_model("MoH-DiT-Tiny", seed=0)
+    probe = _random_model(randomize, "MoH-DiT-Tiny", seed=0)
     for plan, ratio in zip(plans, [1.0, 0.9, 0.75, 0.6, model.head_activation_range[0]]):
         assert plan.realised_ratio == probe.set_head_activation_ratio(ratio)
         assert plan.top_k_per_layer == probe.top_k_per_layer
@@ -156,7 +141,7 @@ def test_plan_ratios_realises_the_models_layouts():
         parse_ratios("1.0,half")
     with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
         parse_ratios("1.5")
-    dense = _random_model("DiT-Tiny", seed=0)
+    dense = _random_model(randomize, "DiT-Tiny", seed=0)
     assert [p.label for p in plan_ratios(dense, ["trained", 1.0, "min"])] == ["trained/1.0/min"]
     with pytest.raises(ValueError, match="dense DiT.*pass --ratios 1.0"):
         plan_ratios(dense, [1.0, 0.9])

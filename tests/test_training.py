@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from diffusers import AutoencoderKL
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -33,15 +32,6 @@ def make_image_folder(root: Path, classes=("blue", "red", "green"), per_class=6,
             arr[..., c % 3] += 180
             Image.fromarray(arr).save(root / name / f"{i}.png")
     return root
-
-
-def tiny_vae(path: Path) -> Path:
-    torch.manual_seed(0)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 8), latent_channels=4,
-                        norm_num_groups=4, layers_per_block=1, sample_size=16)
-    vae.save_pretrained(path)
-    return path
 
 
 def config(tmp_path, data, **kw) -> TrainConfig:
@@ -75,8 +65,9 @@ def test_pixel_space_training_writes_run_folder(tmp_path, data):
     assert (run / "samples" / "step-0000004.png").exists()
 
 
-def test_vae_and_latent_cache_training(tmp_path, data):
-    vae_dir = tiny_vae(tmp_path / "vae")
+def test_vae_and_latent_cache_training(tmp_path, data, tiny_vae):
+    vae_dir = tmp_path / "vae"
+    tiny_vae().save_pretrained(vae_dir)
     final = train(config(tmp_path, data, vae=str(vae_dir), max_steps=2, output_dir=str(tmp_path / "vae_run")))
     model = MoHDiTTransformer2DModel.from_pretrained(final)
     assert model.config.in_channels == 4 and model.config.sample_size == 8
@@ -90,12 +81,13 @@ def test_vae_and_latent_cache_training(tmp_path, data):
     assert model.config.in_channels == 4 and model.config.sample_size == 8 and model.config.num_classes == 3
 
 
-def test_cache_and_on_the_fly_give_the_same_loss(tmp_path, data):
+def test_cache_and_on_the_fly_give_the_same_loss(tmp_path, data, tiny_vae):
     """Same image, flip and posterior mean -> same diffusion loss, whichever path made the latent."""
     from moh_dit.data import ImageFolderDataset
     from moh_dit.latents import LatentDataset, extract_latents, load_vae
 
-    vae_dir = tiny_vae(tmp_path / "vae")
+    vae_dir = tmp_path / "vae"
+    tiny_vae().save_pretrained(vae_dir)
     extract_latents(data, vae_dir, image_size=16, output_dir=tmp_path / "latents", batch_size=4, num_workers=0, progress=False)
     cache = LatentDataset(tmp_path / "latents", sample_posterior=False, seed=0)
     images = ImageFolderDataset(data, 16, seed=0)
