@@ -278,6 +278,18 @@ def _routed_core(w: Projections, plan: SelectionPlan, q: torch.Tensor, key: torc
 # --------------------------------------------------------------------------------------
 
 
+def _plan_and_shared_heads(w: Projections, hidden_states: torch.Tensor, routing: MoHRouting):
+    """What the per-head and batched strategies start with: the input as rows (B*N, D), the
+    selection plan, K and V of every used head, and the output rows holding the shared
+    heads' part (plus to_out's bias and the sink row)."""
+    batch, tokens, dim = hidden_states.shape
+    x = hidden_states.reshape(batch * tokens, dim)  # (B*N, D)
+    gates = routing.gates.to(hidden_states.dtype)  # (B, N, h)
+    plan = SelectionPlan.of(routing, gates, w.shared)
+    key, value, out = _shared_heads_and_kv(w, x, gates, plan)
+    return x, plan, key, value, out
+
+
 def per_head_attention(
     w: Projections, hidden_states: torch.Tensor, routing: MoHRouting, block_bytes: int = DEFAULT_BLOCK_BYTES
 ) -> torch.Tensor:
@@ -288,10 +300,7 @@ def per_head_attention(
     buffers (above glibc's 32 MiB mmap threshold they are page-faulted in again on every
     call) would eat the savings."""
     batch, tokens, dim = hidden_states.shape
-    x = hidden_states.reshape(batch * tokens, dim)  # (B*N, D)
-    gates = routing.gates.to(hidden_states.dtype)  # (B, N, h)
-    plan = SelectionPlan.of(routing, gates, w.shared)
-    key, value, out = _shared_heads_and_kv(w, x, gates, plan)
+    x, plan, key, value, out = _plan_and_shared_heads(w, hidden_states, routing)
     if plan.live:
         heads, head_dim, shared = w.heads, w.head_dim, w.shared
         w_q, w_o = w.w_q.view(heads, head_dim, dim), w.w_out.view(dim, heads, head_dim)  # (h, d, D), (D, h, d)
@@ -320,10 +329,7 @@ def batched_attention(w: Projections, hidden_states: torch.Tensor, routing: MoHR
     ``index_add_`` of the heads' output rows uses atomics, so results may differ in the last
     bits between runs."""
     batch, tokens, dim = hidden_states.shape
-    x = hidden_states.reshape(batch * tokens, dim)  # (B*N, D)
-    gates = routing.gates.to(hidden_states.dtype)  # (B, N, h)
-    plan = SelectionPlan.of(routing, gates, w.shared)
-    key, value, out = _shared_heads_and_kv(w, x, gates, plan)
+    x, plan, key, value, out = _plan_and_shared_heads(w, hidden_states, routing)
     if plan.live:
         heads, head_dim, n, chosen = w.heads, w.head_dim, len(plan.live), plan.head_ids
         xs = x.index_select(0, plan.x_row).view(n, batch * plan.cap, dim)  # (E', B*C, D)
