@@ -113,6 +113,22 @@ def no_weights_anywhere(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
+
+class FakeResponse:
+    """What ``urllib.request.urlopen`` returns, serving ``chunks`` to ``read`` and then EOF."""
+
+    def __init__(self, chunks):
+        self.data = iter([*chunks, b""])
+
+    def read(self, n):
+        return next(self.data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
 def test_frechet_distance_matches_scipy_sqrtm(seed):
     rng = np.random.default_rng(seed)
     d = 24
@@ -342,20 +358,8 @@ def test_missing_weights_error_says_where_and_how(no_weights_anywhere, monkeypat
     with pytest.raises(ev.InceptionWeightsNotFoundError, match="download failed.*unreachable"):
         ev.resolve_inception_weights(download=True, timeout=0.1)
 
-    class WrongFile:  # a download that completes with the wrong content (e.g. a proxy page)
-        def __init__(self):
-            self.data = iter([b"<html>not the weights</html>", b""])
-
-        def read(self, n):
-            return next(self.data)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: WrongFile())
+    # a download that completes with the wrong content (e.g. a proxy page)
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: FakeResponse([b"<html>not the weights</html>"]))
     with pytest.raises(ev.InceptionWeightsNotFoundError, match="SHA-256"):
         ev.resolve_inception_weights(download=True)
     assert not no_weights_anywhere.exists() and list(no_weights_anywhere.parent.iterdir()) == []
@@ -811,20 +815,7 @@ def test_downloaded_weights_are_put_in_place_whole(no_weights_anywhere, monkeypa
     content = b"stand-in for the published weights"
     monkeypatch.setattr(inception, "INCEPTION_WEIGHTS_SHA256_PREFIX", hashlib.sha256(content).hexdigest()[:8])
 
-    class Response:
-        def __init__(self):
-            self.data = iter([content[:10], content[10:], b""])
-
-        def read(self, n):
-            return next(self.data)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: Response())
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: FakeResponse([content[:10], content[10:]]))
     assert ev.resolve_inception_weights(download=True) == no_weights_anywhere
     assert no_weights_anywhere.read_bytes() == content
     assert list(no_weights_anywhere.parent.iterdir()) == [no_weights_anywhere]  # no temporary file left
