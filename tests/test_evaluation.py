@@ -107,13 +107,6 @@ def no_weights_anywhere(tmp_path, monkeypatch) -> Path:
     return hub / "checkpoints" / ev.INCEPTION_WEIGHTS_NAME
 
 
-# ---------------------------------------------------------------------------------------------
-# Frechet distance and statistics
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-
 class FakeResponse:
     """What ``urllib.request.urlopen`` returns, serving ``chunks`` to ``read`` and then EOF."""
 
@@ -129,6 +122,13 @@ class FakeResponse:
     def __exit__(self, *exc):
         return False
 
+
+# ---------------------------------------------------------------------------------------------
+# Frechet distance and statistics
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_frechet_distance_matches_scipy_sqrtm(seed):
     rng = np.random.default_rng(seed)
     d = 24
