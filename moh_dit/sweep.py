@@ -55,7 +55,7 @@ from .evaluation import (
     load_reference,
 )
 from .pipelines.pipeline_moh_dit import MoHDiTPipeline
-from .sampling import check_folder_path as _refuse_file_path
+from .output_folders import check_folder_path as _refuse_file_path
 from .sampling import (
     SampleSettings,
     check_settings,
