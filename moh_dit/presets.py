@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Sequence
 
-__all__ = ["PRESETS", "get_preset", "head_activation_ratio_of_config", "resolve_layer_layout"]
+__all__ = ["PRESETS", "UPCYCLED_PRESETS", "get_preset", "head_activation_ratio_of_config", "resolve_layer_layout"]
 
 
 def _repeat(*runs: tuple[int, int]) -> list[int]:
@@ -177,3 +177,36 @@ def head_activation_ratio_of_config(config: dict[str, Any]) -> float:
     if shared is None:
         return 1.0
     return sum(s + kk for s, kk in zip(shared, k)) / sum(heads)
+
+
+# --------------------------------------------------------------------------------------
+# Upcycled layouts: MoH layouts that keep a dense DiT's head count in every layer, so that
+# ``moh_dit.upcycle`` can carry every dense weight over (docs/upcycling.md). The paper's
+# MoH-DiT presets change the head count per layer and cannot take dense weights. As in the
+# paper's layouts, the first layers keep every head and the later ones route; the routed
+# pools (E routed heads, top-K) are the paper's: XL-75 has E=6, K=2 in layers 9-18 and
+# E=10, K=2 in layers 19-27, XL-90 has E=8, K=3 in layers 19-27.
+# --------------------------------------------------------------------------------------
+
+UPCYCLED_PRESETS: dict[str, tuple[str, float]] = {}  # upcycled preset -> (dense preset, activation)
+
+
+def _upcycled(dense: str, activation: float, shared: list[int], top_k: list[int]) -> dict[str, Any]:
+    config = copy.deepcopy(PRESETS[dense])
+    config.update(num_attention_heads=[config["num_attention_heads"]] * config["num_layers"],
+                  num_shared_heads=shared, top_k=top_k)
+    return config
+
+
+for _name, _dense, _act, _shared, _k in (
+    # 144 + 120 + 72 = 336 of 448 heads active: 0.75
+    ("MoH-DiT-XL/2-up75", "DiT-XL/2", 0.75, _repeat((16, 9), (10, 10), (6, 9)), _repeat((0, 9), (2, 10), (2, 9))),
+    # 304 + 99 = 403 of 448: 0.8996, as MoH-DiT-XL/2-90
+    ("MoH-DiT-XL/2-up90", "DiT-XL/2", 0.9, _repeat((16, 19), (8, 9)), _repeat((0, 19), (3, 9))),
+    # the layout of MoH-DiT-Tiny (which keeps 4 heads per layer): 18 of 24, 0.75
+    ("MoH-DiT-Tiny-up75", "DiT-Tiny", 0.75, [4, 2, 2, 1, 2, 0], [0, 1, 1, 2, 1, 2]),
+    # 12 + 4 + 3 + 3 = 22 of 24: 0.9167, the nearest to 0.9 with whole heads
+    ("MoH-DiT-Tiny-up90", "DiT-Tiny", 0.9, [4, 4, 4, 3, 2, 2], [0, 0, 0, 1, 1, 1]),
+):
+    PRESETS[_name] = _upcycled(_dense, _act, _shared, _k)
+    UPCYCLED_PRESETS[_name] = (_dense, _act)
