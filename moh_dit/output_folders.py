@@ -16,23 +16,23 @@ __all__ = ["check_folder_path", "check_output_folder"]
 
 
 def check_output_folder(path: Path, overwrite: bool, is_ours: Callable[[Path], bool], what: str,
-                        named: str = "") -> None:
+                        named: str = "", flag: str = "--output-dir") -> None:
     """Refuse ``path`` unless it can be created, or it is a folder ``overwrite`` may replace:
-    empty, or recognised by ``is_ours``. ``what`` says what ``is_ours`` recognises, and
-    ``named`` (such as ``"--output-dir "``) comes before the path where messages name it.
-    Nothing is written here."""
+    empty, or recognised by ``is_ours``. ``what`` says what ``is_ours`` recognises, ``named``
+    (such as ``"--output-dir "``) comes before the path where messages name it, and ``flag``
+    is the option the advice tells to change. Nothing is written here."""
     shown = f"{named}{str(path)!r}"
     if path.exists() or path.is_symlink():
         if not path.is_dir():
-            raise FileExistsError(f"{shown} exists and is not a folder; choose another --output-dir")
+            raise FileExistsError(f"{shown} exists and is not a folder; choose another {flag}")
         if not overwrite:
             raise FileExistsError(
-                f"{str(path)!r} already exists; delete it, choose another --output-dir or pass --overwrite"
+                f"{str(path)!r} already exists; delete it, choose another {flag} or pass --overwrite"
             )
         if not is_ours(path) and any(path.iterdir()):
             # --overwrite replaces what this writer made; it never deletes an unrelated folder.
             raise FileExistsError(
-                f"--overwrite would replace {str(path)!r}, which is not {what}; choose another --output-dir, "
+                f"--overwrite would replace {str(path)!r}, which is not {what}; choose another {flag}, "
                 "or delete it yourself"
             )
     # Missing parent folders are created when the work starts; a file in their place cannot be.
