@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import importlib
 import inspect
 import json
 import math
 import numbers
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -36,6 +38,7 @@ import PIL.Image
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 from diffusers.models import AutoencoderKL
+from diffusers.models.modeling_utils import ModelMixin
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils import BaseOutput
@@ -220,7 +223,9 @@ class MoHDiTPipeline(DiffusionPipeline):
 
     def __init__(
         self,
-        transformer: MoHDiTTransformer2DModel,
+        # diffusers' base class, not MoHDiTTransformer2DModel: in an exported folder the transformer comes
+        # from its own module file (a class object of its own), which diffusers checks against this annotation.
+        transformer: ModelMixin,
         scheduler: SchedulerMixin,
         vae: AutoencoderKL | None = None,
         id2label: dict[int | str, str] | None = None,
@@ -241,6 +246,42 @@ class MoHDiTPipeline(DiffusionPipeline):
         # JSON keys are strings; store them that way so a reloaded config equals the saved one.
         self.register_to_config(id2label=None if table is None else {str(k): v for k, v in table.items()})
         self._build_label_index(table or {})
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs: Any) -> "MoHDiTPipeline":
+        """``DiffusionPipeline.from_pretrained``, which also loads exported folders without their code.
+
+        A folder written by ``moh_dit.export`` names module files that travel with it in its
+        ``model_index.json``, so that ``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)``
+        loads it without moh-dit. Called on this class, such a local folder is loaded with this
+        module's own classes instead (no ``trust_remote_code``, same weights). It takes
+        ``torch_dtype`` (or ``dtype``), ``variant`` and ready ``transformer`` / ``scheduler`` /
+        ``vae`` / ``id2label``; other arguments raise TypeError.
+        """
+        index_file = Path(pretrained_model_name_or_path) / cls.config_name
+        index = json.loads(index_file.read_text(encoding="utf-8")) if index_file.is_file() else {}
+        if not isinstance(index.get("_class_name"), list):
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        folder = index_file.parent
+        dtype = kwargs.pop("torch_dtype", None)
+        weights = dict(torch_dtype=kwargs.pop("dtype", dtype), variant=kwargs.pop("variant", None))
+        parts = {name: kwargs.pop(name) for name in ("transformer", "scheduler", "vae", "id2label") if name in kwargs}
+        if kwargs:
+            raise TypeError(f"MoHDiTPipeline.from_pretrained({str(folder)!r}) of an exported folder does not take "
+                            f"{sorted(kwargs)}; use DiffusionPipeline.from_pretrained(folder, trust_remote_code=True, ...).")
+        if "transformer" not in parts:
+            parts["transformer"] = MoHDiTTransformer2DModel.from_pretrained(folder / "transformer", **weights)
+        if "scheduler" not in parts:
+            library, name = index["scheduler"]
+            scheduler_cls = getattr(importlib.import_module("diffusers"), name, None) if library == "diffusers" else None
+            if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, SchedulerMixin)):
+                raise ValueError(f"{index_file} names the scheduler {library}.{name}, which is not a diffusers scheduler.")
+            parts["scheduler"] = scheduler_cls.from_pretrained(folder / "scheduler")
+        if "vae" not in parts:
+            parts["vae"] = AutoencoderKL.from_pretrained(folder / "vae", **weights) if index.get("vae", [None])[0] else None
+        pipe = cls(**{"id2label": index.get("id2label"), **parts})
+        pipe.register_to_config(_name_or_path=str(pretrained_model_name_or_path))
+        return pipe
 
     # ------------------------------------------------------------------ labels
     @staticmethod
