@@ -5,6 +5,9 @@ One CPU or GPU:   python scripts/train.py --preset MoH-DiT-Tiny --data-dir demo_
 Many GPUs/nodes:  accelerate launch --multi_gpu --num_processes 8 scripts/train.py --preset MoH-DiT-XL/2-90 \
                       --latents-dir imagenet_latents --output-dir runs/xl --global-batch-size 256
 To resume, run the same command again with --resume latest.
+From weights:     python scripts/train.py --preset MoH-DiT-XL/2-up75 --init-from dit-xl-2-up75 --router-warmup-steps 2000 \
+                      --latents-dir imagenet_latents --output-dir runs/up75   (resume it with --resume latest, without
+                      --init-from: the checkpoints hold the weights)
 
 The --output-dir belongs to one run: a second run into it while it trains is refused, and so
 is a new run (no --resume) into a folder that holds one. Checkpoints are safetensors and JSON,
@@ -47,6 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", default=None,
                    help="'latest' (the newest intact checkpoint of --output-dir; falls back past damaged ones) "
                         "or a checkpoint folder")
+    p.add_argument("--init-from", default=None,
+                   help="start a new run from the weights of a saved model folder (scripts/upcycle.py's output, a run's "
+                        "final/); new optimiser, EMA starting as a copy of them; not with --resume")
+    p.add_argument("--router-warmup-steps", type=int, default=0,
+                   help="MoH presets: train only the router parameters for the first N steps (default: %(default)s)")
     p.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no")
     p.add_argument("--no-tf32", action="store_true", help="disable TF32 matmuls on Ampere+ GPUs")
     p.add_argument("--seed", type=int, default=0)
@@ -78,7 +86,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         ema_decay=args.ema_decay, class_dropout=args.class_dropout, gradient_checkpointing=args.gradient_checkpointing,
         num_workers=args.num_workers, on_corrupt=args.on_corrupt, random_flip=not args.no_flip,
         log_every=args.log_every, sample_every=args.sample_every, sample_steps=args.sample_steps,
-        report_to=args.report_to,
+        report_to=args.report_to, init_from=args.init_from, router_warmup_steps=args.router_warmup_steps,
     )
 
 

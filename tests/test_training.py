@@ -550,6 +550,10 @@ NAN, INF = "nan", "inf"
     (["--sample-every", 2, "--sample-steps", 0], r"--sample-steps.*0"),
     (["--sample-every", 2, "--sample-steps", 5000], r"--sample-steps.*5000"),
     (["--report-to", "mlflow"], r"invalid choice"),
+    (["--init-from", "{tmp}/missing"], r"--init-from.*not a saved model folder"),
+    (["--init-from", "{tmp}", "--resume", "latest"], r"--init-from.*--resume.*give one"),
+    (["--router-warmup-steps", -1], r"--router-warmup-steps.*-1"),
+    (["--preset", "DiT-Tiny", "--router-warmup-steps", 2], r"dense DiT without routers"),
 ])
 def test_every_bad_flag_is_refused_before_any_work(bad_inputs, data, refuses, flags, match):
     tmp = bad_inputs
@@ -606,3 +610,71 @@ def test_a_file_system_without_locks_is_a_clear_error(tmp_path, data, load_scrip
     err = capsys.readouterr().err
     assert "Traceback" not in err and re.search(r"cannot lock .*run/\.lock.*does not support file locks", err), err
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "train_config.json").exists()
+
+
+# ------------------------------------------------------------------ --init-from and router warm-up
+@pytest.fixture(scope="module")
+def upcycled(tmp_path_factory, randomize):
+    """A randomized dense DiT-Tiny for the 16 px, 3-class data, upcycled to MoH-DiT-Tiny-up75."""
+    from moh_dit.upcycle import save_upcycled, upcycle
+
+    dense = randomize(MoHDiTTransformer2DModel.from_preset("DiT-Tiny", sample_size=16, num_classes=3,
+                                                            class_names=["blue", "green", "red"]), seed=7)
+    moh, report = upcycle(dense, 0.75)
+    return save_upcycled(moh, report, tmp_path_factory.mktemp("up") / "model")
+
+
+def _weights(folder: Path, name="model.safetensors"):
+    return load_file(folder / name)
+
+
+def test_init_from_with_router_warmup_trains_only_routers_then_all(tmp_path, data, upcycled):
+    """Steps 1-2 move only the routers (every other weight is the upcycled one, bit for bit; the
+    EMA starts from them); steps 3-4 move everything."""
+    init = load_file(upcycled / "diffusion_pytorch_model.safetensors")
+    train(config(tmp_path, data, preset="MoH-DiT-Tiny-up75", init_from=str(upcycled), router_warmup_steps=2,
+                 learning_rate=1e-3))
+    ckpts = tmp_path / "run" / "checkpoints"
+    two, four = _weights(ckpts / "step-0000002"), _weights(ckpts / "step-0000004")
+    routers = [k for k in init if ".router_" in k]
+    assert routers and all(torch.count_nonzero(init[k]) == 0 for k in routers)
+    assert all(torch.equal(two[k], init[k]) for k in init if k not in routers)
+    assert all(torch.count_nonzero(two[k]) > 0 for k in routers)
+    assert all(not torch.equal(four[k], init[k]) for k in init if k.endswith("to_q.weight"))
+    ema = _weights(ckpts / "step-0000002", "ema.safetensors")
+    assert all(torch.allclose(ema[k], init[k], rtol=1e-6, atol=1e-7) for k in init if k not in routers)
+    record = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    assert record["init_from"] == str(upcycled) and record["router_warmup_steps"] == 2
+
+
+def test_router_warmup_survives_an_exact_resume(tmp_path, data, upcycled):
+    """4 steps straight == 1 step (inside the warm-up), then --resume latest to 4 (across its end)."""
+    kw = dict(preset="MoH-DiT-Tiny-up75", router_warmup_steps=2, learning_rate=1e-3, checkpoint_every=1)
+    train(config(tmp_path, data, output_dir=str(tmp_path / "one"), init_from=str(upcycled), **kw))
+    train(config(tmp_path, data, output_dir=str(tmp_path / "two"), init_from=str(upcycled), **dict(kw, max_steps=1)))
+    train(config(tmp_path, data, output_dir=str(tmp_path / "two"), resume="latest", **kw))
+    for name in ("model.safetensors", "ema.safetensors", "optimizer.safetensors"):
+        assert ((tmp_path / "one" / "checkpoints" / "step-0000004" / name).read_bytes()
+                == (tmp_path / "two" / "checkpoints" / "step-0000004" / name).read_bytes()), name
+    with pytest.raises(ValueError, match="--router-warmup-steps 3 does not match"):
+        train(config(tmp_path, data, output_dir=str(tmp_path / "two"), resume="latest",
+                     **dict(kw, router_warmup_steps=3, max_steps=5)))
+
+
+def test_init_from_is_checked_against_the_preset(tmp_path, data, upcycled, load_script, refuses, monkeypatch):
+    refuses("train", cli_args(tmp_path / "run", data, "--init-from", upcycled, "--preset", "MoH-DiT-Tiny-up90"),
+            r"does not fit --preset MoH-DiT-Tiny-up90.*num_shared_heads")
+    refuses("train", cli_args(tmp_path / "run", data, "--init-from", upcycled, "--image-size", "8"),
+            r"does not fit.*sample_size 16 there, 8 here")
+    # same layout under its other name: accepted
+    assert run_cli_train(load_script, cli_args(tmp_path / "ok", data, "--init-from", upcycled, "--max-steps", 1)) == 0
+
+    def crash(*args, **kwargs):
+        raise _Crash
+
+    monkeypatch.setattr(training_loop, "update_ema", crash)
+    with pytest.raises(_Crash):  # dies before its first checkpoint
+        train(config(tmp_path, data, output_dir=str(tmp_path / "crashed"), init_from=str(upcycled)))
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="started with --init-from .* has no checkpoint yet"):
+        train(config(tmp_path, data, output_dir=str(tmp_path / "crashed"), resume="latest"))

@@ -57,6 +57,8 @@ class TrainConfig:
     sample_steps: int = 50
     report_to: str = "tensorboard"
     model_overrides: dict[str, Any] = field(default_factory=dict)
+    init_from: str | None = None  # a saved model folder: a new run starts from its weights
+    router_warmup_steps: int = 0  # only router parameters train for the first N steps
 
     def validate(self, num_processes: int | None = None) -> None:
         """Every check that needs no data or model, so bad input fails before any work and
@@ -120,6 +122,23 @@ class TrainConfig:
             raise ValueError(f"--on-corrupt must be error or skip, got {self.on_corrupt!r}.")
         if self.resume not in (None, "latest") and not Path(self.resume).is_dir():
             raise ValueError(f"--resume {self.resume!r} is neither 'latest' nor an existing checkpoint folder.")
+        self._validate_init()
+
+    def _validate_init(self) -> None:
+        """--init-from and --router-warmup-steps."""
+        if self.init_from is not None:
+            if self.resume is not None:
+                raise ValueError("--init-from starts a new run from a model's weights and --resume continues a run "
+                                 "from its checkpoint (which holds the weights); give one of them.")
+            if not (Path(self.init_from) / "config.json").is_file():
+                raise ValueError(f"--init-from {self.init_from!r} is not a saved model folder (no config.json); give "
+                                 "a folder written by save_pretrained, scripts/upcycle.py or a run's final/.")
+        steps = self.router_warmup_steps
+        _check(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0, "--router-warmup-steps", steps,
+               "0 or more")
+        if steps and PRESETS[self.preset].get("num_shared_heads") is None:
+            raise ValueError(f"--router-warmup-steps {steps}: {self.preset} is a dense DiT without routers; use a MoH "
+                             "preset or drop the flag.")
 
 
 def data_source(cfg_or_record: Any) -> tuple[str, str | None]:

@@ -79,6 +79,7 @@ class LoopContext:
     run: dict[str, Any]  # the run identity every checkpoint marker records
     log_with: str | None
     last_checkpoint: str | Path | None
+    held_in_warmup: list[torch.nn.Parameter] = field(default_factory=list)  # all but the routers (router warm-up)
 
 
 @dataclass
@@ -156,6 +157,11 @@ def _train_step(ctx: LoopContext, x: torch.Tensor, y: torch.Tensor, log_now: boo
     loss = terms["loss"].mean() + cfg.lb_coeff * out.load_balance_loss
     _stop_if_diverged(ctx, loss, terms, out)
     acc.backward(loss)
+    if parts.state.step < cfg.router_warmup_steps:
+        # Router warm-up: the other parameters get no gradient, so AdamW skips them entirely
+        # (no moment, no step count, no weight decay); their first update comes after it.
+        for param in ctx.held_in_warmup:
+            param.grad = None
     grad_norm = acc.clip_grad_norm_(ctx.model.parameters(), cfg.max_grad_norm or float("inf"))
     parts.optimizer.step()
     parts.lr_scheduler.step()

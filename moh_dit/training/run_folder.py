@@ -37,11 +37,11 @@ def _resolved(path: str | None) -> str | None:
 
 
 def run_identity(cfg: TrainConfig) -> dict[str, Any]:
-    """What must stay the same for a resume: preset, data and seed (the model config is added
-    once the model is built)."""
+    """What must stay the same for a resume: preset, data, seed and router warm-up (the model
+    config is added once the model is built)."""
     flag, source = data_source(cfg)
     return {"preset": cfg.preset, "data_dir": cfg.data_dir, "latents_dir": cfg.latents_dir,
-            "data_path": _resolved(source), "seed": cfg.seed}
+            "data_path": _resolved(source), "seed": cfg.seed, "router_warmup_steps": cfg.router_warmup_steps}
 
 
 def _read_record(out: Path) -> dict | None:
@@ -71,6 +71,11 @@ def _check_same_run(cfg: TrainConfig, recorded: dict, where: str) -> None:
         if (flag, _resolved(source)) != (rec_flag, rec_path):
             raise ValueError(f"{flag} {source} is not the data of {where}, which was trained on {rec_flag} {rec_path}; "
                              f"resume with {rec_flag} {rec_path}, or start a new run with another --output-dir.")
+    warmup = recorded.get("router_warmup_steps")
+    if warmup is not None and warmup != cfg.router_warmup_steps:
+        raise ValueError(f"--router-warmup-steps {cfg.router_warmup_steps} does not match {where}, which was trained "
+                         f"with --router-warmup-steps {warmup}; resume with --router-warmup-steps {warmup}, or start a "
+                         "new run with another --output-dir.")
     if recorded.get("seed") is not None and recorded["seed"] != cfg.seed:
         raise ValueError(f"--seed {cfg.seed} does not match {where}, which was trained with --seed {recorded['seed']}; "
                          f"resume with --seed {recorded['seed']}, or start a new run with another --output-dir.")

@@ -22,10 +22,12 @@ from ..data import ImageFolderDataset, ResumableSampler, collate_skip_corrupt, w
 from ..diffusion import create_diffusion
 from ..io_utils import publish_folder
 from ..latents import LatentDataset, load_vae, vae_downsample_factor
+from ..presets import resolve_layer_layout
 from ..runtime import set_tf32
 from ..transformer_moh_dit import MoHDiTTransformer2DModel
 from .checkpoints import Parts, TrainState, load_checkpoint
 from .config import TrainConfig
+from .errors import warn
 from .loop import LatentSpace, LoopContext, run_loop
 from .processes import on_main
 from .run_folder import (FolderLock, Plan, claim_folder, normalized, probe_and_plan, record_run,
@@ -92,6 +94,7 @@ def _train(cfg: TrainConfig, accelerator, lock: FolderLock, log_with: str | None
     from accelerate.utils import set_seed
 
     plan: Plan = on_main(accelerator, lambda: probe_and_plan(lock, cfg))
+    _check_init_resume(cfg, plan)
     if accelerator.device.type == "cuda":
         set_tf32(cfg.allow_tf32)
     set_seed(cfg.seed, device_specific=True)
@@ -158,7 +161,52 @@ def _build_model(cfg: TrainConfig, space: LatentSpace, classes: list[str]):
                      class_dropout_prob=cfg.class_dropout, class_names=list(classes))
     model = MoHDiTTransformer2DModel.from_preset(cfg.preset, **overrides)
     model_config = normalized({k: v for k, v in dict(model.config).items() if not k.startswith("_")})
+    if cfg.init_from is not None:
+        _load_init_weights(cfg, model, model_config)
     return model, model_config
+
+
+# Settings of a saved model that --init-from may differ in: the run sets them from its data and flags.
+_INIT_FREE_KEYS = ("class_names", "class_dropout_prob")
+
+
+def _per_layer_config(config: dict) -> dict:
+    """``config`` with heads, shared heads and top-K as per-layer lists (4 heads == [4] * layers)."""
+    heads, shared, k = resolve_layer_layout(config["num_layers"], config["num_attention_heads"],
+                                            config.get("num_shared_heads"), config.get("top_k"))
+    return {**config, "num_attention_heads": heads, "num_shared_heads": shared, "top_k": k}
+
+
+def _load_init_weights(cfg: TrainConfig, model: MoHDiTTransformer2DModel, model_config: dict) -> None:
+    """``--init-from``: the saved model's weights into ``model``, once its layout is the one
+    the preset builds for this data (every constructor argument but class names and dropout)."""
+    try:
+        source = MoHDiTTransformer2DModel.from_pretrained(cfg.init_from)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"--init-from {cfg.init_from}: cannot load the model ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else ''}).") from None
+    theirs = _per_layer_config(normalized({k: v for k, v in dict(source.config).items() if not k.startswith("_")}))
+    ours = _per_layer_config(model_config)
+    diffs = [f"{k} {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in sorted(set(theirs) | set(ours))
+             if k not in _INIT_FREE_KEYS and theirs.get(k) != ours.get(k)]
+    if diffs:
+        raise ValueError(f"--init-from {cfg.init_from} does not fit --preset {cfg.preset} on this data: "
+                         f"{'; '.join(diffs)}. Use the preset the model was made for (scripts/upcycle.py prints it) "
+                         "and data of its size and classes.")
+    names = theirs.get("class_names")
+    if names is not None and names != model_config.get("class_names"):
+        warn(f"--init-from {cfg.init_from} was trained with classes {names[:5]}..., this data's are "
+             f"{(model_config.get('class_names') or [])[:5]}...; class ids keep their embeddings.")
+    model.load_state_dict(source.state_dict(), strict=True)
+
+
+def _check_init_resume(cfg: TrainConfig, plan: Plan) -> None:
+    """A run that started from --init-from and has no checkpoint yet cannot continue: without
+    the flag (refused with --resume) it would silently start from random weights."""
+    started_from = (plan.record or {}).get("init_from")
+    if cfg.resume is not None and plan.resume_from is None and started_from:
+        raise ValueError(f"--output-dir {cfg.output_dir} holds a run started with --init-from {started_from} that "
+                         "has no checkpoint yet; start it again with --init-from into another --output-dir.")
 
 
 def _prepare_training(cfg: TrainConfig, accelerator, model, data: _Data, space: LatentSpace, run: dict[str, Any],
@@ -178,9 +226,10 @@ def _prepare_training(cfg: TrainConfig, accelerator, model, data: _Data, space: 
     # EMA and step/data position are saved by this package (safetensors + JSON), not
     # registered with accelerate, whose custom state is a pickle loaded with weights_only=False.
     parts = Parts(accelerator, accelerator.unwrap_model(model), ema, optimizer, lr_scheduler, TrainState(data.sampler))
+    held = [p for name, p in model.named_parameters() if ".router_" not in name] if cfg.router_warmup_steps else []
     return LoopContext(cfg=cfg, parts=parts, model=model, diffusion=diffusion, space=space, sampler=data.sampler,
                        per_process=data.per_process, num_classes=len(data.classes), run=run, log_with=log_with,
-                       last_checkpoint=None)
+                       last_checkpoint=None, held_in_warmup=held)
 
 
 def _finish(ctx: LoopContext, class_to_idx: dict[str, int]) -> Path:
