@@ -228,7 +228,7 @@ class MoHDiTPipeline(DiffusionPipeline):
         transformer: ModelMixin,
         scheduler: SchedulerMixin,
         vae: AutoencoderKL | None = None,
-        id2label: dict[int | str, str] | None = None,
+        id2label: dict[int, str] | dict[str, str] | None = None,  # diffusers' type check cannot read dict[int | str, str]
     ):
         super().__init__()
         channels = transformer.config.in_channels
