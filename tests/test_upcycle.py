@@ -223,3 +223,51 @@ BAD = [
 @pytest.mark.parametrize("argv, match", BAD)
 def test_script_refuses_bad_input(argv, match, inputs, refuses):
     refuses("upcycle", [a.format(t=inputs) for a in argv], match)
+
+
+TINY_DEMO = ["--dense-steps", "2", "--continue-steps", "2", "--router-warmup-steps", "1", "--images-per-class", "2",
+             "--reference-per-class", "1", "--eval-samples", "4", "--sample-steps", "1", "--calibration-batches", "1"]
+
+
+def test_upcycle_demo_smoke(tmp_path, load_script, capsys):
+    """The whole demo at tiny counts: five models, one table, same seeds; a rerun with other
+    settings into the same folder is refused."""
+    out = tmp_path / "demo"
+    assert load_script("upcycle_demo").cli(["--output-dir", str(out), *TINY_DEMO]) == 0
+    result = json.loads((out / "upcycle_demo.json").read_text())
+    assert [r["training_steps"] for r in result["rows"]] == [2, 4, 2, 4, 4]
+    assert [r["head_activation"] for r in result["rows"]] == [1.0, 1.0, 0.75, 0.75, 0.75]
+    assert all(np.isfinite([r[k] for k in ("fid", "sfid", "precision", "recall")]).all() for r in result["rows"])
+    assert "random InceptionV3" in result["features"]
+    table = (out / "upcycle_demo.md").read_text()
+    assert table.count("\n| ") == 6 and "NOT comparable" in table
+    record = json.loads((out / "upcycled_run" / "train_config.json").read_text())
+    assert record["init_from"] == str(out / "upcycled") and record["router_warmup_steps"] == 1
+    assert json.loads((out / "dense_continued" / "train_config.json").read_text())["init_from"] == str(
+        out / "dense" / "final")
+    assert (out / "upcycled" / REPORT_FILE).is_file()
+    capsys.readouterr()
+    argv = ["--output-dir", str(out), *TINY_DEMO[:-2], "--calibration-batches", "2"]
+    assert load_script("upcycle_demo").cli(argv) == 1
+    assert "other settings (calibration_batches)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--dense-steps", "0"], "--dense-steps must be >= 1"),
+    (["--continue-steps", "2", "--router-warmup-steps", "3"], "more than --continue-steps"),
+    (["--eval-samples", "3"], "--eval-samples must be >= 4"),
+    (["--sample-steps", "1001"], "at most 1000"),
+    (["--learning-rate", "nan"], "--learning-rate"),
+    (["--ema-decay", "1"], "--ema-decay"),
+    (["--inception-weights", "{t}/none.pth"], "no such file"),
+    (["--output-dir", "{t}/file"], "is a file"),
+    (["--output-dir", "{t}/full"], "not an upcycling demo"),
+])
+def test_upcycle_demo_refuses_bad_flags(argv, match, tmp_path, refuses):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "mine.txt").write_text("x")
+    argv = [a.format(t=tmp_path) for a in argv]
+    if "--output-dir" not in argv:
+        argv = ["--output-dir", str(tmp_path / "demo"), *argv]
+    refuses("upcycle_demo", argv, match)
