@@ -175,16 +175,21 @@ def save_png_atomic(path: str | os.PathLike, image: np.ndarray) -> None:
         PIL.Image.fromarray(array).save(f, format="PNG")
 
 
-def write_adm_npz(output: str | os.PathLike, num_samples: int, path: str | os.PathLike | None = None) -> Path:
+def write_adm_npz(output: str | os.PathLike, num_samples: int, path: str | os.PathLike | None = None,
+                  labels: Sequence[int] | None = None) -> Path:
     """Stream PNGs ``0 .. num_samples-1`` of ``output`` into an ADM-format ``.npz``.
 
-    The file holds one array ``arr_0`` (uint8, (N, H, W, 3)) as the ADM evaluator and DiT's
-    sample_ddp.py expect. The ``.npy`` member is written image by image into an uncompressed
+    The file holds ``arr_0`` (uint8, (N, H, W, 3)) as the ADM evaluator and DiT's
+    sample_ddp.py expect and, when ``labels`` are given (one per image), ``arr_1`` (int64,
+    (N,)): ADM's convention for class-conditional samples, which the class-accuracy metric
+    reads. The ``.npy`` member is written image by image into an uncompressed
     (ZIP64) archive, so memory stays at one image whatever N is (50k 256px images are
     ~9.8 GB). Written to a temporary name and renamed. Returns the path.
     """
     output = Path(output)
     path = Path(path) if path is not None else output / NPZ_FILE
+    if labels is not None and len(labels) != num_samples:
+        raise ValueError(f"{len(labels)} labels for {num_samples} images; give one label per image")
     missing = missing_indices(output, range(num_samples))
     if missing:
         raise FileNotFoundError(
@@ -209,6 +214,9 @@ def write_adm_npz(output: str | os.PathLike, num_samples: int, path: str | os.Pa
                             "the folder mixes runs."
                         )
                     member.write(np.ascontiguousarray(array).tobytes())
+            if labels is not None:
+                with archive.open("arr_1.npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, np.asarray(labels, dtype=np.int64))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

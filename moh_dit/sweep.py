@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import numpy as np
 import torch
@@ -44,8 +44,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import flops
+from .classifier import SampleClassifier, load_classifier
 from .evaluation import (
     ADM_K,
+    ClassAccuracyMeter,
     EvaluationResult,
     ReferenceStatistics,
     build_random_inception,
@@ -59,6 +61,7 @@ from .output_folders import check_folder_path as _refuse_file_path
 from .sampling import (
     SampleSettings,
     check_settings,
+    class_labels_for,
     generate_batch,
     load_pipeline,
     png_path,
@@ -254,7 +257,9 @@ class SweepSettings:
     ``download``; a missing file raises ``InceptionWeightsNotFoundError``), or, only when asked
     with ``random_inception_seed``, a random Inception whose numbers are labelled not
     comparable. ``vae``, ``scheduler``, ``dtype``: how a model folder is loaded
-    (:func:`moh_dit.sampling.load_pipeline`); unused for a pipeline object.
+    (:func:`moh_dit.sampling.load_pipeline`); unused for a pipeline object. ``classifier``:
+    a :class:`~moh_dit.classifier.SampleClassifier`, a folder from ``train_classifier`` or
+    ``"torchvision:NAME"`` (with ``classifier_weights``), to add each ratio's class accuracy.
 
     Checked when made (ValueError naming the field); nothing is loaded or written.
     """
@@ -275,6 +280,8 @@ class SweepSettings:
     vae: str | None = None
     scheduler: str = "ddpm"
     dtype: str | torch.dtype = "float32"
+    classifier: Any = None
+    classifier_weights: PathLike | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "eval_batch_size"):
@@ -302,6 +309,7 @@ class _Run:
     extractor: nn.Module
     extractor_identity: str
     calls: int  # transformer calls per image
+    classifier: SampleClassifier | None = None
 
 
 class _Clock:
@@ -469,10 +477,11 @@ def _evaluate_ratio(run: _Run, plan: RatioPlan) -> tuple[SweepRow, EvaluationRes
     clock = _Clock()
     began = time.perf_counter()
     with tqdm(total=images.num_samples, disable=not settings.progress, unit="img",
-              desc=f"ratio {plan.label} ({plan.realised_ratio:.4f})") as bar:
+              desc=f"sampling + evaluating ratio {plan.label} ({plan.realised_ratio:.4f})") as bar:
         result = evaluate(
             _sample_batches(run.pipe, images, plan.realised_ratio, settings.batch_size, clock, save_dir, bar),
             run.reference, extractor=run.extractor, device=settings.device, batch_size=settings.eval_batch_size,
+            **_class_accuracy_arguments(run),
         )
     total = time.perf_counter() - began
     sparse, dense = attention_flops(run.pipe.transformer, plan.top_k_per_layer)
@@ -485,8 +494,26 @@ def _evaluate_ratio(run: _Run, plan: RatioPlan) -> tuple[SweepRow, EvaluationRes
         attention_flop_ratio=sparse / dense,
         sampling_seconds=clock.seconds, evaluation_seconds=total - clock.seconds,
         num_samples=result.num_samples, samples_dir=None if save_dir is None else str(save_dir),
+        class_accuracy=result.class_accuracy, class_accuracy_per_class=result.class_accuracy_per_class,
     )
     return row, result
+
+
+def _class_accuracy_arguments(run: _Run) -> dict[str, Any]:
+    """What :func:`evaluate` needs to measure class accuracy: the classifier, every image's label
+    (as :func:`generate_batch` draws them) and the model's class names; nothing without a classifier."""
+    if run.classifier is None:
+        return {}
+    config = run.pipe.transformer.config
+    labels = class_labels_for(range(run.images.num_samples), config.num_classes, run.images.class_labels,
+                              run.images.seed)
+    return dict(classifier=run.classifier, labels=labels, class_names=config.get("class_names"))
+
+
+def _resolve_classifier(settings: SweepSettings) -> SampleClassifier | None:
+    if settings.classifier is None or isinstance(settings.classifier, SampleClassifier):
+        return settings.classifier
+    return load_classifier(settings.classifier, settings.classifier_weights, device=settings.device)
 
 
 def _assemble_result(
@@ -574,6 +601,9 @@ def sweep_head_activation(
     plans = plan_ratios(pipe.transformer, ratios)
     check_plans(pipe, plans, images)
     _refuse_earlier_samples(plans, settings)
+    classifier = _resolve_classifier(settings)
+    if classifier is not None:  # checks the classifier against the model's classes before any work
+        ClassAccuracyMeter(classifier, [], class_names=pipe.transformer.config.get("class_names"))
     extractor = _resolve_extractor(extractor, settings)
     identity = extractor_identity(extractor)
     ref = _reference_statistics(reference, extractor, identity, settings, log)
@@ -581,7 +611,7 @@ def sweep_head_activation(
     pipe.to(settings.device)
     pipe.set_progress_bar_config(disable=True)
     calls = transformer_calls_per_image(images.num_inference_steps, images.guidance_scale)
-    run = _Run(pipe, images, settings, ref, extractor, identity, calls)
+    run = _Run(pipe, images, settings, ref, extractor, identity, calls, classifier)
     rows, results = [], []
     with _attention_path(pipe.transformer, settings.attention) as attention:
         for plan in plans:
@@ -589,7 +619,8 @@ def sweep_head_activation(
             rows.append(row)
             results.append(result)
             if log:
-                log(f"ratio {plan.label}: realised {plan.realised_ratio:.4f}, FID {result.fid:.3f}, "
+                accuracy = "" if row.class_accuracy is None else f", class accuracy {row.class_accuracy:.3f}"
+                log(f"ratio {plan.label}: realised {plan.realised_ratio:.4f}, FID {result.fid:.3f}{accuracy}, "
                     f"{row.sampling_seconds / images.num_samples:.4f} s/img")
     return _assemble_result(run, rows, results, model_label, ratios, reference, attention)
 
@@ -621,6 +652,8 @@ def run_sweep(
     dtype: str | torch.dtype = "float32",
     warm_up: bool = True,
     progress: bool = True,
+    classifier: Any = None,
+    classifier_weights: PathLike | None = None,
     log: Callable[[str], None] | None = print,
 ) -> SweepResult:
     """:func:`sweep_head_activation` with its settings as keywords.
@@ -636,6 +669,7 @@ def run_sweep(
         batch_size=batch_size, eval_batch_size=eval_batch_size, device=device, attention=attention,
         output_dir=output_dir, save_samples=save_samples, cache_dir=cache_dir, use_cache=use_cache, warm_up=warm_up,
         progress=progress, inception_weights=inception_weights, random_inception_seed=random_inception_seed,
-        download=download, vae=vae, scheduler=scheduler, dtype=dtype,
+        download=download, vae=vae, scheduler=scheduler, dtype=dtype, classifier=classifier,
+        classifier_weights=classifier_weights,
     )
     return sweep_head_activation(model, ratios, reference, images, settings, extractor=extractor, log=log)

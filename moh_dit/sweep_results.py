@@ -46,6 +46,8 @@ class SweepRow:
     count is the same model with every head active. ``sampling_seconds``: wall time of
     sampling (transformer, scheduler, decoding) for all ``num_samples`` images;
     ``evaluation_seconds``: the rest (feature extraction, metrics, PNG writing if asked).
+    ``class_accuracy``: fraction of the images a classifier assigns to the class they were
+    made for (None without a classifier), and per class in ``class_accuracy_per_class``.
     """
 
     ratio: str
@@ -64,6 +66,8 @@ class SweepRow:
     num_samples: int
     requested: list[str] = field(default_factory=list)
     samples_dir: str | None = None
+    class_accuracy: float | None = None
+    class_accuracy_per_class: dict[str, float] | None = None
 
     @property
     def seconds_per_image(self) -> float:
@@ -85,9 +89,11 @@ class SweepResult:
         return {"settings": self.settings, "rows": [dataclasses.asdict(row) for row in self.rows]}
 
     def table(self) -> str:
-        """A compact fixed-width table for the terminal."""
+        """A compact fixed-width table for the terminal (a class-accuracy column when measured)."""
+        with_accuracy = any(row.class_accuracy is not None for row in self.rows)
         header = f"{'ratio':<14}{'realised':>9}{'FID':>9}{'sFID':>9}{'IS':>8}{'prec':>7}{'rec':>7}" \
-                 f"{'attn GFLOP/img':>16}{'vs dense':>9}{'s/img':>9}"
+                 + (f"{'class acc':>10}" if with_accuracy else "") \
+                 + f"{'attn GFLOP/img':>16}{'vs dense':>9}{'s/img':>9}"
         lines = [header, "-" * len(header)]
 
         def num(value: float | None, width: int, digits: int) -> str:
@@ -97,7 +103,8 @@ class SweepResult:
             lines.append(
                 f"{row.ratio:<14}{row.realised_ratio:>9.4f}{num(row.fid, 9, 2)}{num(row.sfid, 9, 2)}"
                 f"{num(row.inception_score, 8, 2)}{num(row.precision, 7, 3)}{num(row.recall, 7, 3)}"
-                f"{row.attention_flops_per_image / 1e9:>16.3f}{row.attention_flop_ratio:>9.3f}"
+                + (num(row.class_accuracy, 10, 3) if with_accuracy else "")
+                + f"{row.attention_flops_per_image / 1e9:>16.3f}{row.attention_flop_ratio:>9.3f}"
                 f"{row.seconds_per_image:>9.4f}"
             )
         lines.append(f"extractor: {self.settings.get('extractor')}"
@@ -113,6 +120,7 @@ CSV_COLUMNS = (
     "ratio", "realised_ratio", "fid", "sfid", "inception_score", "precision", "recall",
     "attention_flops_per_image", "dense_attention_flops_per_image", "attention_flop_ratio",
     "sampling_seconds", "seconds_per_image", "evaluation_seconds", "num_samples", "top_k_per_layer",
+    "class_accuracy",
 )
 
 
@@ -160,8 +168,9 @@ def _plot_titles(settings: dict[str, Any]) -> tuple[str, str]:
     return title, subtitle
 
 
-# (SweepRow field, y-axis label) of each panel of fid_vs_ratio.png, left to right.
-PLOT_PANELS: tuple[tuple[str, str], ...] = (("fid", "FID"),)
+# (SweepRow field, y-axis label) of each panel of fid_vs_ratio.png, left to right. Panels
+# after the first are drawn only when some row has a value (class accuracy needs a classifier).
+PLOT_PANELS: tuple[tuple[str, str], ...] = (("fid", "FID"), ("class_accuracy", "class accuracy of samples"))
 PLOT_SIZE = (720, 460)  # pixels
 _PLOT_DPI = 100
 _LINE_COLOUR = "#1f5ab4"
@@ -182,7 +191,7 @@ def plot_fid_vs_ratio(
 ):
     """FID against realised head activation ratio, as a matplotlib ``Figure`` (Agg canvas).
 
-    One panel per ``PLOT_PANELS`` entry: the rows' values against their realised ratio
+    One panel per ``PLOT_PANELS`` entry that has values (FID always): the rows' values against their realised ratio
     (rows without a value left out), points joined by a line, each labelled with its value
     (and its keyword, e.g. ``trained``). The subtitle names the extractor and is green when
     the numbers are comparable to published ones, red when not. ``size`` is in pixels.
@@ -193,8 +202,10 @@ def plot_fid_vs_ratio(
     canvas_class(figure)
     figure.suptitle(title, x=0.02, y=0.98, ha="left", fontsize=11)
     figure.text(0.02, 0.905, subtitle, ha="left", fontsize=9, color="#146e14" if comparable else "#be1e1e")
-    axes = figure.subplots(1, len(PLOT_PANELS), squeeze=False)[0]
-    for ax, (field_name, label) in zip(axes, PLOT_PANELS):
+    panels = [panel for i, panel in enumerate(PLOT_PANELS)
+              if i == 0 or any(getattr(row, panel[0]) is not None for row in rows)]
+    axes = figure.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (field_name, label) in zip(axes, panels):
         _plot_panel(ax, rows, field_name, label)
     figure.subplots_adjust(left=0.1, right=0.97, top=0.84, bottom=0.13, wspace=0.3)
     return figure

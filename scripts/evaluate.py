@@ -10,6 +10,17 @@ statistics are computed once and cached. The numbers match ADM's TensorFlow eval
 published Inception weights are used; the JSON says whether they were. Samples and reference
 of different resolutions are refused unless ``--allow-resolution-mismatch`` is given (then the
 JSON records ``"allow_resolution_mismatch": true`` with both resolutions).
+
+Class consistency of class-conditional samples (``class_accuracy``, ``class_accuracy_per_class``
+in the JSON): the fraction of samples a classifier assigns to the class they were generated for::
+
+    python scripts/evaluate.py --samples samples.npz --ref REF --classifier CLF_DIR --output m.json
+    python scripts/evaluate.py --samples samples.npz --ref REF --classifier torchvision:resnet50 ...
+
+``--classifier`` is a folder from ``scripts/train_classifier.py`` or ``torchvision:NAME`` (ImageNet
+weights from the torch hub cache, a download, or ``--classifier-weights FILE``). The labels are
+``arr_1`` of the samples ``.npz`` (``scripts/sample.py`` writes it) or ``--labels L.npy``;
+``--class-index FILE`` maps labels to the classifier's classes when they differ.
 All the work is done by :func:`moh_dit.evaluation.evaluate`.
 """
 
@@ -23,7 +34,8 @@ from pathlib import Path
 import torch
 
 from moh_dit.cli import run_cli
-from moh_dit.evaluation import ADM_SPLIT_SIZE, INCEPTION_WEIGHTS_ENV, evaluate
+from moh_dit.classifier import load_classifier
+from moh_dit.evaluation import ADM_SPLIT_SIZE, INCEPTION_WEIGHTS_ENV, evaluate, read_class_map, read_sample_labels
 from moh_dit.io_utils import write_json_atomic
 
 
@@ -53,6 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="evaluate samples whose resolution differs from the reference's (refused by default; recorded in the JSON)",
     )
+    parser.add_argument("--classifier", default=None,
+                        help="measure class accuracy with this classifier: a scripts/train_classifier.py folder "
+                             "or torchvision:NAME (e.g. torchvision:resnet50)")
+    parser.add_argument("--classifier-weights", default=None,
+                        help="local state-dict file for a torchvision:NAME classifier (offline)")
+    parser.add_argument("--labels", default=None, help="the samples' class labels as .npy (default: arr_1 of --samples)")
+    parser.add_argument("--class-index", default=None,
+                        help="JSON map from sample label to the classifier's class (index or name); default: same index")
     return parser.parse_args(argv)
 
 
@@ -82,10 +102,28 @@ def check_args(args: argparse.Namespace) -> None:
     if args.cache_dir is not None and not args.no_cache and Path(args.cache_dir).exists():
         if not Path(args.cache_dir).is_dir():
             raise ValueError(f"--cache-dir {args.cache_dir} is a file, not a folder")
+    if args.classifier is None:
+        for flag, value in (("--labels", args.labels), ("--class-index", args.class_index),
+                            ("--classifier-weights", args.classifier_weights)):
+            if value is not None:
+                raise ValueError(f"{flag} is for class accuracy, which needs --classifier CLF_DIR|torchvision:NAME")
+    if args.class_index is not None and not Path(args.class_index).is_file():
+        raise FileNotFoundError(f"--class-index {args.class_index}: no such file")
+
+
+def class_accuracy_inputs(args: argparse.Namespace) -> dict:
+    """The classifier, labels and class map, loaded before the Inception network (cheap checks first)."""
+    if args.classifier is None:
+        return {}
+    labels = read_sample_labels(args.samples, args.labels)
+    classifier = load_classifier(args.classifier, args.classifier_weights, device=args.device)
+    class_map = None if args.class_index is None else read_class_map(args.class_index, classifier.classes)
+    return dict(classifier=classifier, labels=labels, class_map=class_map)
 
 
 def main(args: argparse.Namespace) -> dict:
     check_args(args)
+    consistency = class_accuracy_inputs(args)
     result = evaluate(
         args.samples,
         args.ref,
@@ -99,6 +137,7 @@ def main(args: argparse.Namespace) -> dict:
         split_size=args.split_size,
         progress=True,
         allow_resolution_mismatch=args.allow_resolution_mismatch,
+        **consistency,
     )
     payload = result.to_dict()
     print(json.dumps(payload, indent=2))

@@ -80,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", default=None, help="reference statistics cache (default ~/.cache/moh_dit/reference_stats)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the reference statistics cache")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved ratios, top-K and FLOPs, and exit")
+    parser.add_argument("--classifier", default=None,
+                        help="add class accuracy per ratio: a scripts/train_classifier.py folder or torchvision:NAME")
+    parser.add_argument("--classifier-weights", default=None,
+                        help="local state-dict file for a torchvision:NAME classifier (offline)")
     return parser.parse_args(argv)
 
 
@@ -113,6 +117,12 @@ def check_args(args: argparse.Namespace) -> None:
     check_folder_path(args.output, "--output")
     if args.cache_dir is not None and not args.no_cache:
         check_folder_path(args.cache_dir, "--cache-dir")
+    if args.classifier_weights is not None and args.classifier is None:
+        raise ValueError("--classifier-weights needs --classifier torchvision:NAME")
+    if args.classifier is not None and not args.classifier.startswith("torchvision:"):
+        if not (Path(args.classifier).expanduser() / "classifier.json").is_file():
+            raise FileNotFoundError(f"--classifier {args.classifier} is not a classifier folder (no classifier.json); "
+                                    "make one with scripts/train_classifier.py or give torchvision:NAME")
 
 
 def sample_settings(args: argparse.Namespace) -> SampleSettings:
@@ -147,6 +157,7 @@ def main(args: argparse.Namespace):
         output_dir=args.output, save_samples=args.save_samples, cache_dir=args.cache_dir, use_cache=not args.no_cache,
         inception_weights=args.inception_weights, random_inception_seed=args.random_inception_seed,
         download=not args.no_download, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype,
+        classifier=args.classifier, classifier_weights=args.classifier_weights,
     )
     result = sweep_head_activation(args.model, parse_ratios(args.ratios), args.ref, sample_settings(args), settings)
     result.settings["args"] = vars(args)

@@ -104,6 +104,13 @@ def test_adm_npz_streams_pngs(tmp_path):
         assert list(data.keys()) == ["arr_0"]
         np.testing.assert_array_equal(data["arr_0"], images)
     assert not list(tmp_path.glob("*.tmp"))
+    labelled = write_adm_npz(tmp_path, 4, tmp_path / "labelled.npz", labels=[3, 0, 2, 1])
+    with np.load(labelled) as data:
+        assert list(data.keys()) == ["arr_0", "arr_1"]
+        np.testing.assert_array_equal(data["arr_0"], images)
+        assert data["arr_1"].dtype == np.int64 and data["arr_1"].tolist() == [3, 0, 2, 1]
+    with pytest.raises(ValueError, match="3 labels for 4 images"):
+        write_adm_npz(tmp_path, 4, tmp_path / "bad.npz", labels=[0, 1, 2])
     with pytest.raises(FileNotFoundError, match=r"1 of 5 PNGs are missing.*000004\.png"):
         write_adm_npz(tmp_path, 5, tmp_path / "five.npz")
     save_png_atomic(png_path(tmp_path, 4), images[0, :3])
@@ -153,8 +160,10 @@ def test_script_end_to_end_and_resume_checks(tmp_path, load_script, sampling_pip
             "--num-inference-steps", "2", "--guidance-scale", "1.5", "--head-activation-ratio", "0.6"]
     assert script.main(script.parse_args(argv)) == 0
     with np.load(out / "samples.npz") as data:
-        arr = data["arr_0"]
+        arr, labels = data["arr_0"], data["arr_1"]
     assert arr.shape == (4, 8, 8, 3) and arr.dtype == np.uint8
+    # ADM's class-conditional convention: arr_1 holds each image's class label (balanced: i mod classes).
+    assert labels.tolist() == class_labels_for(range(4), 10) == [0, 1, 2, 3]
     np.testing.assert_array_equal(arr, read_pngs(out, 4))
     saved = json.loads((out / SETTINGS_FILE).read_text())
     identity, run = saved["identity"], saved["run"]

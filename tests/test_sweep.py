@@ -218,8 +218,9 @@ def test_plot_shows_the_written_numbers(sweep):
     result, paths, _ = sweep
     data = json.loads(paths["json"].read_text())
     figure = plot_fid_vs_ratio([SweepRow(**row) for row in data["rows"]], "title", "subtitle", comparable=False)
-    assert [ax.get_ylabel() for ax in figure.axes] == [label for _, label in PLOT_PANELS] == ["FID"]
-    for ax, (column, _) in zip(figure.axes, PLOT_PANELS):
+    # Without a classifier the class-accuracy panel has no values and is left out.
+    assert [ax.get_ylabel() for ax in figure.axes] == [PLOT_PANELS[0][1]] == ["FID"]
+    for ax, (column, _) in zip(figure.axes, PLOT_PANELS[:1]):
         expected = sorted((row["realised_ratio"], row[column], row["ratio"]) for row in data["rows"])
         (line,) = ax.lines
         xs, ys = line.get_data()
@@ -286,6 +287,33 @@ def test_errors_before_any_sampling_leave_nothing(model_dir, dense_dir, referenc
     with pytest.raises(ev.InceptionWeightsNotFoundError, match="--inception-weights"):
         run_sweep(pipe, [1.0], reference=reference_dir, download=False, output_dir=out, **SWEEP)
     assert not calls and not out.exists()
+
+
+def test_class_accuracy_column_and_panel(model_dir, reference_dir, tmp_path):
+    """With a classifier each row gets the class accuracy of its images (the same number as
+    classifying the saved PNGs with their labels, class i mod num_classes), a table column,
+    a CSV value and a second plot panel."""
+    from moh_dit.classifier import SampleClassifier, SmallCNN
+    from moh_dit.evaluation import class_accuracy
+
+    torch.manual_seed(0)
+    classes = [f"c{i}" for i in range(10)]  # MoH-DiT-Tiny's 10 classes, no names in the model
+    classifier = SampleClassifier(SmallCNN(10, width=4), lambda x: x * 2 - 1, classes, identity="test-cnn")
+    out = tmp_path / "out"
+    result = run_sweep(model_dir, ("trained", 1.0), reference=reference_dir, extractor=ConvFeatures(),
+                       output_dir=out, save_samples=True, classifier=classifier, **{**SWEEP, "num_samples": 10})
+    labels = [i % 10 for i in range(10)]
+    for row in result.rows:
+        pngs = np.stack([np.asarray(PIL.Image.open(png_path(row.samples_dir, i))) for i in range(10)])
+        expected = class_accuracy(classifier, pngs, labels)
+        assert row.class_accuracy == pytest.approx(expected.overall)
+        assert row.class_accuracy_per_class == pytest.approx(expected.per_class)
+    assert "class acc" in result.table().splitlines()[0]
+    paths = write_sweep(result, out)
+    table = list(csv.DictReader(paths["csv"].open()))
+    assert [float(r["class_accuracy"]) for r in table] == pytest.approx([r.class_accuracy for r in result.rows])
+    figure = plot_fid_vs_ratio(result.rows, "t", "s", comparable=False)
+    assert [ax.get_ylabel() for ax in figure.axes] == [label for _, label in PLOT_PANELS]
 
 
 def test_dense_model_single_point(dense_dir, reference_dir, tmp_path):

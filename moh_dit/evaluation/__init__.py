@@ -37,14 +37,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
+from ..classifier import SampleClassifier
 from ..data import IMG_EXTENSIONS
 from ..runtime import tf32_disabled
+from .class_accuracy import ClassAccuracy, ClassAccuracyMeter, class_accuracy, read_class_map, read_sample_labels
 from .features import (
     ExtractedFeatures,
     FeatureExtractor,
@@ -101,6 +103,8 @@ from .sources import (
 __all__ = [
     "ADM_K",
     "ADM_SPLIT_SIZE",
+    "ClassAccuracy",
+    "ClassAccuracyMeter",
     "INCEPTION_WEIGHTS_ENV",
     "INCEPTION_WEIGHTS_NAME",
     "INCEPTION_WEIGHTS_URL",
@@ -116,6 +120,7 @@ __all__ = [
     "TFInceptionV3Features",
     "as_inception_features",
     "build_random_inception",
+    "class_accuracy",
     "compute_statistics",
     "evaluate",
     "extract_features",
@@ -130,6 +135,8 @@ __all__ = [
     "open_image_source",
     "precision_recall",
     "random_inception_state_dict",
+    "read_class_map",
+    "read_sample_labels",
     "resolve_inception_weights",
     "save_random_inception_weights",
     "tf32_disabled",
@@ -157,6 +164,11 @@ class EvaluationResult:
     reference_from_cache: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
     allow_resolution_mismatch: bool = False
+    class_accuracy: float | None = None
+    class_accuracy_per_class: dict[str, float] | None = None
+    class_accuracy_counts: dict[str, int] | None = None
+    classifier: str | None = None
+    classifier_held_out_accuracy: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -178,6 +190,10 @@ def evaluate(
     k: int = ADM_K,
     progress: bool = False,
     allow_resolution_mismatch: bool = False,
+    classifier: SampleClassifier | None = None,
+    labels: Sequence[int] | np.ndarray | None = None,
+    class_map: Mapping[int, int] | None = None,
+    class_names: Sequence[str] | None = None,
 ) -> EvaluationResult:
     """FID, sFID, Inception Score, precision and recall of ``samples`` against ``reference``, as ADM.
 
@@ -196,12 +212,19 @@ def evaluate(
     the resizing as much as the model. ``allow_resolution_mismatch=True``
     (``--allow-resolution-mismatch``) evaluates anyway and records it in the result. A reference
     holding statistics only (no images) has no known resolution; the result's notes say so.
+
+    With a ``classifier`` (:func:`moh_dit.classifier.load_classifier`) and the samples'
+    ``labels`` (one per sample, in order), the result also holds the class accuracy of the
+    samples, overall and per class, computed in the same pass over the images
+    (:mod:`.class_accuracy`; ``class_map`` and ``class_names`` as for
+    :class:`~.class_accuracy.ClassAccuracyMeter`).
     """
     _check_arguments(batch_size=batch_size, num_workers=num_workers, split_size=split_size, k=k)
     minimum = max(2, k + 1)
     sample_source, opened = _open_inputs(samples, reference, minimum)
     check_resolution = functools.partial(_check_resolutions, sample_source, opened, allow_resolution_mismatch)
     check_resolution(sample_source.resolution)  # both known here unless the samples come from an iterator
+    meter = _class_accuracy_meter(sample_source, classifier, labels, class_map, class_names)
     if extractor is None:
         extractor = load_inception(inception_weights, download=download)
     identity = extractor_identity(extractor)
@@ -215,10 +238,14 @@ def evaluate(
     ref = reference_statistics(opened, extractor, identity, options)
 
     features = extract_features(
-        sample_source, extractor, device=device, batch_size=batch_size, num_workers=num_workers, progress=progress
+        sample_source, extractor, device=device, batch_size=batch_size, num_workers=num_workers, progress=progress,
+        on_batch=None if meter is None else meter.update,
     )
     if len(features) < minimum:
         raise ValueError(f"{sample_source.description}: {len(features)} images; need at least {minimum}")
+    consistency = {} if meter is None else dict(
+        meter.result().to_dict(), classifier=classifier.identity,
+        classifier_held_out_accuracy=classifier.held_out_accuracy)
 
     comparable = bool(getattr(extractor, "comparable_to_published", False))
     notes = _notes(identity, comparable, sample_source.resolution, ref, features, split_size)
@@ -236,7 +263,24 @@ def evaluate(
         reference_from_cache=ref.from_cache,
         notes=notes,
         allow_resolution_mismatch=bool(allow_resolution_mismatch),
+        **consistency,
     )
+
+
+def _class_accuracy_meter(sample_source: ImageSource, classifier: SampleClassifier | None, labels: Any,
+                          class_map: Mapping[int, int] | None, class_names: Sequence[str] | None
+                          ) -> ClassAccuracyMeter | None:
+    """The class-accuracy meter when a classifier is given, checked against the samples before any work."""
+    if classifier is None:
+        if labels is not None:
+            raise ValueError("labels were given without a classifier; pass --classifier to measure class accuracy")
+        return None
+    if labels is None:
+        raise ValueError("class accuracy needs the samples' labels (arr_1 of the samples .npz, or --labels)")
+    if sample_source.num_images is not None and sample_source.num_images != len(labels):
+        raise ValueError(f"{sample_source.description}: {sample_source.num_images} samples but {len(labels)} labels; "
+                         "every sample needs its class label")
+    return ClassAccuracyMeter(classifier, labels, class_map, class_names)
 
 
 def _check_arguments(**values: Any) -> None:

@@ -13,7 +13,7 @@ import abc
 import dataclasses
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -139,11 +139,13 @@ def extract_features(
     batch_size: int = 64,
     num_workers: int = 0,
     progress: bool = False,
+    on_batch: Callable[[torch.Tensor], None] | None = None,
 ) -> ExtractedFeatures:
     """Run ``extractor`` over ``images`` (anything :func:`open_image_source` takes) in batches.
 
     The extractor is moved to ``device`` and put in eval mode; batches go to ``device`` as
-    uint8 NCHW and features come back to the CPU as float32.
+    uint8 NCHW and features come back to the CPU as float32. ``on_batch`` sees every uint8
+    NHWC batch as it passes (e.g. to classify the same images in the same single pass).
     """
     from tqdm.auto import tqdm
 
@@ -155,6 +157,8 @@ def extract_features(
     bar = tqdm(total=source.num_images, desc=f"features {source.description}", unit="img", disable=not progress)
     with bar, tf32_disabled():
         for batch in source.batches(batch_size, num_workers):
+            if on_batch is not None:
+                on_batch(batch)
             nchw = batch.to(device, non_blocking=True).permute(0, 3, 1, 2).contiguous()  # (N, 3, H, W)
             features = as_inception_features(extractor(nchw))
             n = nchw.shape[0]
