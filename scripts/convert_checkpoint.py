@@ -4,6 +4,9 @@
     python scripts/convert_checkpoint.py --checkpoint 7000000.pt --preset MoH-DiT-XL/2-90 --output moh-dit-xl-2-90
     python scripts/convert_checkpoint.py --checkpoint DiT-XL-2-256x256.pt --preset DiT-XL/2 --output dit-xl-2
     python scripts/convert_checkpoint.py --checkpoint facebook/DiT-XL-2-256 --preset DiT-XL/2 --output dit-xl-2
+    # 512 px: 64 x 64 latents (read from the checkpoint; --sample-size 64 says it explicitly)
+    python scripts/convert_checkpoint.py --checkpoint DiT-XL-2-512x512.pt --preset DiT-XL/2 --sample-size 64 --output dit-xl-2-512
+    python scripts/convert_checkpoint.py --checkpoint facebook/DiT-XL-2-512 --preset DiT-XL/2 --sample-size 64 --output dit-xl-2-512
 
 An unreadable checkpoint, a wrong preset or a bad --output is refused with one error line
 before anything is written.

@@ -2,6 +2,9 @@
 
     python scripts/extract_latents.py --data-dir /data/imagenet/train \
         --vae stabilityai/sd-vae-ft-ema --image-size 256 --output-dir /data/imagenet256-latents
+    # 512 px (the DiT-XL/2 512 models): 64 x 64 x 4 latents
+    python scripts/extract_latents.py --data-dir /data/imagenet/train \
+        --vae stabilityai/sd-vae-ft-ema --image-size 512 --output-dir /data/imagenet512-latents
 
 Stores the VAE posterior's mean and std of every image, plain and horizontally flipped,
 so training from the cache (moh_dit.latents.LatentDataset) sees the same distribution as

@@ -1,0 +1,144 @@
+"""512 px end to end on tiny models: 64 x 64 latents (the SD VAE's factor 8).
+
+Conversion of facebookresearch's DiT-XL-2-512x512.pt and diffusers' facebook/DiT-XL-2-512
+layouts (built here at DiT-S/2 size with random weights: the same keys and the same 1024-token
+positional table as XL at 512 px), sampling through scripts/sample.py, evaluation against a
+512 px reference, training and latent extraction at --image-size 512 with a tiny VAE whose
+downsampling factor is 8.
+"""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DiTTransformer2DModel
+from PIL import Image
+from safetensors.torch import load_file
+
+from moh_dit import MoHDiTTransformer2DModel
+from moh_dit.convert import model_to_release_state_dict
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_release_512_checkpoint_converts_at_64x64_latents(tmp_path, randomize, load_script, capsys):
+    """A DiT-XL-2-512x512.pt-style pickle: pos_embed of 32 x 32 = 1024 tokens, 4-channel latents."""
+    dense = randomize(MoHDiTTransformer2DModel.from_preset("DiT-S/2", sample_size=64), seed=1).eval()
+    sd = model_to_release_state_dict(dense)
+    assert sd["pos_embed"].shape == (1, 1024, 384)
+    torch.save({"ema": sd, "args": argparse.Namespace(model="DiT-S/2", image_size=512)}, tmp_path / "dit-512.pt")
+    convert = load_script("convert_checkpoint")
+    for flags, out in (([], "read"), (["--sample-size", "64"], "given")):
+        assert convert.cli(["--checkpoint", str(tmp_path / "dit-512.pt"), "--preset", "DiT-S/2",
+                            "--output", str(tmp_path / out), *flags]) == 0
+        model = MoHDiTTransformer2DModel.from_pretrained(tmp_path / out)
+        assert model.config.sample_size == 64 and _same_weights(model, dense)
+    capsys.readouterr()
+    assert convert.cli(["--checkpoint", str(tmp_path / "dit-512.pt"), "--preset", "DiT-S/2", "--output",
+                        str(tmp_path / "wrong"), "--sample-size", "32"]) == 1
+    err = capsys.readouterr().err
+    assert "pos_embed: checkpoint (1, 1024, 384) vs model (1, 256, 384)" in err and "--sample-size" in err
+    assert not (tmp_path / "wrong").exists()
+
+
+def test_diffusers_512_pipeline_folder_converts(tmp_path, randomize):
+    """A facebook/DiT-XL-2-512-style DiTPipeline folder (config sample_size 64)."""
+    from moh_dit.convert import convert_checkpoint
+
+    dit = DiTTransformer2DModel(num_attention_heads=6, attention_head_dim=64, in_channels=4, out_channels=8,
+                                num_layers=12, sample_size=64, patch_size=2, num_embeds_ada_norm=1000)
+    randomize(dit, seed=2)
+    emb0 = dit.transformer_blocks[0].norm1.emb.state_dict()
+    for block in dit.transformer_blocks[1:]:
+        block.norm1.emb.load_state_dict(emb0)
+    dit.save_pretrained(tmp_path / "pipe" / "transformer")
+    (tmp_path / "pipe" / "model_index.json").write_text('{"_class_name": "DiTPipeline"}')
+    model = convert_checkpoint(tmp_path / "pipe", "DiT-S/2", output=tmp_path / "out", sample_size=64)
+    assert model.config.sample_size == 64 and model.pos_embed.pos_embed.shape == (1, 1024, 384)
+    inferred = convert_checkpoint(tmp_path / "pipe", "DiT-S/2")
+    assert inferred.config.sample_size == 64 and _same_weights(model, inferred)
+    ours = model.state_dict()
+    assert torch.equal(ours["transformer_blocks.11.attn1.to_q.weight"], dit.transformer_blocks[11].attn1.to_q.weight)
+    assert torch.equal(ours["time_class_embed.class_embedder.embedding_table.weight"],
+                       emb0["class_embedder.embedding_table.weight"])
+
+
+@pytest.fixture(scope="module")
+def model_512(tmp_path_factory, randomize, tiny_vae):
+    """A randomized MoH-DiT-Tiny on 64 x 64 x 4 latents and a tiny VAE of factor 8 (512 px)."""
+    root = tmp_path_factory.mktemp("m512")
+    model = MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=64, in_channels=4)
+    randomize(model, std=0.05).save_pretrained(root / "model")
+    tiny_vae(levels=4, sample_size=512).save_pretrained(root / "vae")
+    return root
+
+
+def test_sample_script_at_512_px(model_512, tmp_path, load_script):
+    out = tmp_path / "samples"
+    code = load_script("sample").cli(["--model", str(model_512 / "model"), "--vae", str(model_512 / "vae"),
+                                      "--output", str(out), "--num-samples", "2", "--per-device-batch-size", "2",
+                                      "--num-inference-steps", "2", "--head-activation-ratio", "0.6"])
+    assert code == 0
+    images = np.load(out / "samples.npz")["arr_0"]
+    assert images.shape == (2, 512, 512, 3) and images.dtype == np.uint8
+    assert Image.open(sorted((out / "samples").glob("*.png"))[0]).size == (512, 512)
+
+
+def _smooth(n, size, seed):
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 255, (n, 8, 8, 3), dtype=np.uint8)
+    return np.stack([np.asarray(Image.fromarray(b).resize((size, size), Image.BILINEAR)) for b in base])
+
+
+def test_evaluate_script_against_a_512_px_reference(tmp_path, load_script):
+    from moh_dit.evaluation import save_random_inception_weights
+
+    weights = save_random_inception_weights(tmp_path / "random-inception.pth", seed=0)
+    np.savez(tmp_path / "ref.npz", arr_0=_smooth(8, 512, 0))
+    np.savez(tmp_path / "samples.npz", arr_0=_smooth(6, 512, 1))
+    np.savez(tmp_path / "samples256.npz", arr_0=_smooth(6, 256, 1))
+    evaluate = load_script("evaluate")
+    common = ["--ref", str(tmp_path / "ref.npz"), "--inception-weights", str(weights), "--batch-size", "4",
+              "--device", "cpu", "--num-workers", "0", "--cache-dir", str(tmp_path / "cache")]
+    payload = evaluate.main(evaluate.parse_args(["--samples", str(tmp_path / "samples.npz"), *common]))
+    assert payload["num_samples"] == 6 and payload["num_reference_images"] == 8
+    assert all(np.isfinite(payload[k]) for k in ("fid", "sfid", "precision", "recall")) and payload["fid"] > 0
+    same = evaluate.main(evaluate.parse_args(["--samples", str(tmp_path / "ref.npz"), *common]))
+    assert abs(same["fid"]) < 1e-6 * payload["fid"]
+    assert evaluate.cli(["--samples", str(tmp_path / "samples256.npz"), *common]) == 1  # 256 vs 512 refused
+
+
+def _image_folder(root, size=512):
+    for c, name in enumerate(("a", "b")):
+        (root / name).mkdir(parents=True)
+        for i, image in enumerate(_smooth(2, size, 10 * c)):
+            Image.fromarray(image).save(root / name / f"{i}.png")
+    return root
+
+
+def test_train_and_extract_latents_at_512_px(model_512, tmp_path, load_script):
+    data = _image_folder(tmp_path / "images")
+    common = ["--preset", "MoH-DiT-Tiny", "--max-steps", "1", "--global-batch-size", "2", "--num-workers", "0",
+              "--report-to", "none", "--checkpoint-every", "1"]
+    train = load_script("train")
+    assert train.cli([*common, "--data-dir", str(data), "--vae", str(model_512 / "vae"), "--image-size", "512",
+                      "--output-dir", str(tmp_path / "run")]) == 0
+    trained = MoHDiTTransformer2DModel.from_pretrained(tmp_path / "run" / "final")
+    assert (trained.config.sample_size, trained.config.in_channels) == (64, 4)
+
+    assert load_script("extract_latents").cli(["--data-dir", str(data), "--vae", str(model_512 / "vae"),
+                                               "--image-size", "512", "--output-dir", str(tmp_path / "latents"),
+                                               "--batch-size", "2", "--num-workers", "0", "--device", "cpu"]) == 0
+    index = json.loads((tmp_path / "latents" / "index.json").read_text())
+    assert index["latent_shape"] == [4, 64, 64]
+    assert train.cli([*common, "--latents-dir", str(tmp_path / "latents"), "--output-dir", str(tmp_path / "run2")]) == 0
+    weights = load_file(tmp_path / "run2" / "final" / "diffusion_pytorch_model.safetensors")
+    assert weights["pos_embed.proj.weight"].shape[1] == 4
+    assert MoHDiTTransformer2DModel.from_pretrained(tmp_path / "run2" / "final").config.sample_size == 64
