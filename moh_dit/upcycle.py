@@ -266,7 +266,8 @@ def head_importance(dense: MoHDiTTransformer2DModel, batches, seed: int = 0, pro
     from tqdm.auto import tqdm
 
     dense = dense.eval()
-    inputs = _noisy(batches, seed)
+    device = next(dense.parameters()).device
+    inputs = [tuple(v.to(device) for v in item) for item in _noisy(batches, seed)]
     channels = dense.config.in_channels
     base = [dense(x, t, y).sample[:, :channels] for x, t, y in inputs]
     energy = sum(float(b.double().pow(2).sum()) for b in base) or 1.0
@@ -392,6 +393,19 @@ def first_forward_gap(dense, moh, choices: list[LayerChoice], x, t, y) -> tuple[
 # --------------------------------------------------------------------------------------
 
 
+def _check_input(dense: MoHDiTTransformer2DModel, batches, seed: int, device) -> tuple[torch.Tensor, ...]:
+    """The first-forward check's input: a calibration batch noised afresh, or without data two
+    noise images (t = 999 and 250; a class and the null class)."""
+    if batches:
+        x, t, y = _noisy(batches[:1], seed + 1)[0]
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        size = dense.config.sample_size
+        x = torch.randn(2, dense.config.in_channels, size, size, generator=gen)
+        t, y = torch.tensor([999, 250]), torch.tensor([0, dense.config.num_classes])
+    return x.to(device), t.to(device), y.to(device)
+
+
 def _precheck(activation, shared_heads, top_k, calibration) -> None:
     """The checks that need no model, before a (slow) checkpoint load."""
     if (activation is None) == (shared_heads is None and top_k is None):
@@ -409,7 +423,8 @@ def _precheck(activation, shared_heads, top_k, calibration) -> None:
 def upcycle(dense_model_or_source: Any, activation: float | None = None, *, shared_heads=None, top_k=None,
             calibration: Any = None, calibration_batches_count: int = 4, batch_size: int = 16, preset: str | None = None,
             weights: str = "ema", sample_size: int | None = None, num_classes: int | None = None, vae: Any = None,
-            seed: int = 0, progress: bool = True) -> tuple[MoHDiTTransformer2DModel, UpcycleReport]:
+            seed: int = 0, progress: bool = True, device: str | torch.device = "cpu",
+            ) -> tuple[MoHDiTTransformer2DModel, UpcycleReport]:
     """A MoH-DiT from a dense DiT, and the report of what each layer became.
 
     ``activation`` (0.75 or 0.9) takes the upcycled preset's layout (MoH-DiT-XL/2-up75, ...);
@@ -417,12 +432,15 @@ def upcycle(dense_model_or_source: Any, activation: float | None = None, *, shar
     dataset or a list of ``(x0, labels)`` batches) measures head importance on
     ``calibration_batches_count`` batches of ``batch_size``; without it heads 0..hs-1 are
     shared. ``preset`` names the dense preset of a checkpoint that is not a saved model folder.
+    The measurements run on ``device`` (the dense model is moved there; the MoH model is
+    returned there).
     """
     for flag, value in (("--calibration-batches", calibration_batches_count), ("--batch-size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag} must be an int >= 1, got {value!r}.")
     _precheck(activation, shared_heads, top_k, calibration)
     dense, name = load_dense(dense_model_or_source, preset, weights, sample_size, num_classes)
+    dense = dense.to(device)
     preset_name, shared, k = resolve_layout(dense, activation, shared_heads, top_k)
     batches = None
     if calibration is not None:
@@ -433,15 +451,8 @@ def upcycle(dense_model_or_source: Any, activation: float | None = None, *, shar
     config.update(num_attention_heads=list(dense.layer_heads), num_shared_heads=shared, top_k=k)
     moh = MoHDiTTransformer2DModel(**config)
     transfer_weights(dense, moh, choices)
-    moh.eval()
-    if batches:
-        x, t, y = _noisy(batches[:1], seed + 1)[0]
-    else:
-        gen = torch.Generator().manual_seed(seed)
-        size = dense.config.sample_size
-        x = torch.randn(2, dense.config.in_channels, size, size, generator=gen)
-        t, y = torch.tensor([999, 250]), torch.tensor([0, dense.config.num_classes])
-    gap, gates = first_forward_gap(dense, moh, choices, x, t, y)
+    moh = moh.to(device).eval()
+    gap, gates = first_forward_gap(dense, moh, choices, *_check_input(dense, batches, seed, device))
     for c, g in zip(choices, gates):
         used = (g != 0).flatten(0, -2).any(dim=0)
         c.first_selected = [i for i in c.routed if bool(used[i])]

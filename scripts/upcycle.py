@@ -20,6 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
 from moh_dit.cli import run_cli
 from moh_dit.upcycle import check_output, save_upcycled, upcycle
 
@@ -49,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-size", type=int, default=None,
                    help="latent size of a checkpoint (32 for 256 px, 64 for 512 px; default: read from it)")
     p.add_argument("--num-classes", type=int, default=None, help="classes of a checkpoint (default: read from it)")
+    p.add_argument("--device", default="cpu", help="where importance is measured: cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of the calibration order, timesteps and noise")
     return p.parse_args(argv)
 
@@ -61,11 +64,17 @@ def main(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--calibration-data {args.calibration_data}: no such folder.")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}.")
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device} but CUDA is not available; use --device cpu.")
     model, report = upcycle(
         args.checkpoint, args.activation, shared_heads=args.shared_heads, top_k=args.top_k,
         calibration=args.calibration_data, calibration_batches_count=args.calibration_batches,
         batch_size=args.batch_size, preset=args.preset, weights=args.weights, sample_size=args.sample_size,
-        num_classes=args.num_classes, vae=args.vae, seed=args.seed,
+        num_classes=args.num_classes, vae=args.vae, seed=args.seed, device=device,
     )
     print(report.table())
     save_upcycled(model, report, args.output)

@@ -217,6 +217,7 @@ BAD = [
     (["--checkpoint", "{t}/dense", "--output", "{t}/out", "--activation", "0.75", "--calibration-data", "{t}/calib",
       "--calibration-batches", "0"], "--calibration-batches must be"),
     (["--checkpoint", "{t}/dense", "--output", "{t}/out", "--activation", "0.75", "--seed", "-1"], "--seed"),
+    (["--checkpoint", "{t}/dense", "--output", "{t}/out", "--activation", "0.75", "--device", "tpu:x"], "--device"),
 ]
 
 
