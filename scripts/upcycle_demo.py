@@ -10,7 +10,8 @@
 4. the baselines: the dense model continued for M steps, and a MoH model of the same layout
    trained from scratch for N + M steps;
 5. samples every model with the same seeds and labels and prints a table (markdown and JSON)
-   of FID, sFID, precision and recall against the held-out images.
+   of FID, sFID, precision and recall against the held-out images, and class accuracy (a small
+   CNN trained on the training images, moh_dit.classifier, classifies every sample).
 
 Every training run uses the same optimiser settings, batch and data order. FID needs a feature
 network: the standard TF Inception when its weights are found (--inception-weights,
@@ -43,8 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output-dir", default="upcycle_demo")
     # N and M are sized so the whole command stays under 20 minutes on 2 CPU cores (docs/upcycling.md):
-    # 2N + 3M training steps at about 3.5 steps/s, and 5 x 200 + 480 images through Inception at about 4 per second.
-    p.add_argument("--dense-steps", type=int, default=800, help="N: steps of the dense model before upcycling")
+    # 2N + 3M training steps at about 3.5 steps/s, 5 x 200 + 480 images through Inception at about 4 per second
+    # and the classifier: about 18 min in all.
+    p.add_argument("--dense-steps", type=int, default=750, help="N: steps of the dense model before upcycling")
     p.add_argument("--continue-steps", type=int, default=250, help="M: steps after upcycling (and of the baselines)")
     p.add_argument("--router-warmup-steps", type=int, default=25, help="of the M steps, routers only (default: %(default)s)")
     p.add_argument("--images-per-class", type=int, default=300)
@@ -57,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calibration-batches", type=int, default=4, help="batches of 32 training images for importance")
     p.add_argument("--eval-samples", type=int, default=200, help="images per model for the metrics")
     p.add_argument("--sample-steps", type=int, default=50, help="DDPM steps per image")
+    p.add_argument("--classifier-epochs", type=int, default=4,
+                   help="epochs of the small CNN that scores class accuracy (trained on the training images)")
     p.add_argument("--inception-weights", default=None)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -71,6 +75,7 @@ def check_args(args: argparse.Namespace) -> None:
                                ("--batch-size", args.batch_size, 1), ("--warmup-steps", args.warmup_steps, 0),
                                ("--calibration-batches", args.calibration_batches, 1),
                                ("--eval-samples", args.eval_samples, 4), ("--sample-steps", args.sample_steps, 1),
+                               ("--classifier-epochs", args.classifier_epochs, 1),
                                ("--seed", args.seed, 0)):  # fmt: skip
         if value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
@@ -126,10 +131,20 @@ def _inception(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         return dict(random_inception_seed=0), "random InceptionV3 (seed 0): NOT comparable to published numbers"
 
 
+def _classifier(args: argparse.Namespace, data: Path, folder: Path) -> tuple[Path, float]:
+    """The class-accuracy classifier (trained once on the training images) and its accuracy on
+    held-out real images, the ceiling of the samples' class accuracy."""
+    from moh_dit.classifier import train_classifier
+
+    if not (folder / "classifier.json").is_file():
+        train_classifier(data, folder, epochs=args.classifier_epochs, seed=args.seed, log=None)
+    return folder, float(json.loads((folder / "classifier.json").read_text())["held_out"]["accuracy"])
+
+
 def evaluate_models(args: argparse.Namespace, models: list[tuple[str, int, Path]], reference: Path,
-                    cache: Path) -> tuple[list[dict[str, Any]], str]:
+                    cache: Path, classifier: Path) -> tuple[list[dict[str, Any]], str]:
     """Each model sampled with the same seeds and labels (class i mod C for image i), scored
-    against the held-out images with the same feature network."""
+    against the held-out images with the same feature network and classifier."""
     from moh_dit.sampling import load_pipeline
     from moh_dit.sweep import run_sweep
 
@@ -140,24 +155,26 @@ def evaluate_models(args: argparse.Namespace, models: list[tuple[str, int, Path]
         pipe.set_progress_bar_config(disable=True)
         result = run_sweep(pipe, ["trained"], reference=reference, num_samples=args.eval_samples, batch_size=60,
                            num_inference_steps=args.sample_steps, guidance_scale=1.0, seed=args.seed,
-                           cache_dir=cache, progress=False, log=None, **inception)
+                           cache_dir=cache, progress=False, log=None, classifier=classifier, **inception)
         row = result.rows[0]
         rows.append({"model": name, "training_steps": steps, "head_activation": row.realised_ratio,
                      "fid": row.fid, "sfid": row.sfid, "precision": row.precision, "recall": row.recall,
-                     "folder": str(folder)})
+                     "class_accuracy": row.class_accuracy, "folder": str(folder)})
         print(f"      {name}: FID {row.fid:.2f}, sFID {row.sfid:.2f}, precision {row.precision:.3f}, "
-              f"recall {row.recall:.3f}")
+              f"recall {row.recall:.3f}, class accuracy {row.class_accuracy:.3f}")
     return rows, network
 
 
-def markdown_table(rows: list[dict[str, Any]], network: str, samples: int, sample_steps: int) -> str:
-    lines = [f"Features: {network}. {samples} images per model, {sample_steps} DDPM steps, no guidance, same seeds "
-             "and labels for every model.", "",
-             "| model | training steps | head activation | FID | sFID | precision | recall |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+def markdown_table(rows: list[dict[str, Any]], network: str, samples: int, sample_steps: int,
+                   classifier_accuracy: float) -> str:
+    lines = [f"Features: {network}. Class accuracy: a small CNN trained on the training images "
+             f"({classifier_accuracy:.3f} on held-out real images; chance 1/12). {samples} images per model, "
+             f"{sample_steps} DDPM steps, no guidance, same seeds and labels for every model.", "",
+             "| model | training steps | head activation | FID | sFID | precision | recall | class accuracy |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['training_steps']} | {r['head_activation']:.3f} | {r['fid']:.2f} | "
-                     f"{r['sfid']:.2f} | {r['precision']:.3f} | {r['recall']:.3f} |")
+                     f"{r['sfid']:.2f} | {r['precision']:.3f} | {r['recall']:.3f} | {r['class_accuracy']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -201,17 +218,19 @@ def main(args: argparse.Namespace) -> int:
     print(f"[4/5] baselines: {DENSE} continued {m} steps; {UPCYCLED} from scratch, {n + m} steps")
     dense_more = _train(args, out / "dense_continued", DENSE, data, m, dense)
     scratch = _train(args, out / "scratch", UPCYCLED, data, n + m)
-    print(f"[5/5] metrics: {args.eval_samples} images per model, {args.sample_steps} DDPM steps")
+    classifier, ceiling = _classifier(args, data, out / "classifier")
+    print(f"[5/5] metrics: {args.eval_samples} images per model, {args.sample_steps} DDPM steps (classifier: "
+          f"{ceiling:.3f} on held-out real images)")
     models = [(f"dense {DENSE}", n, dense), (f"dense {DENSE}, continued", n + m, dense_more),
               ("upcycled, before training", n, upcycled), ("upcycled, continued", n + m, continued),
               (f"{UPCYCLED} from scratch", n + m, scratch)]
-    rows, network = evaluate_models(args, models, reference, out / "cache")
-    table = markdown_table(rows, network, args.eval_samples, args.sample_steps)
+    rows, network = evaluate_models(args, models, reference, out / "cache", classifier)
+    table = markdown_table(rows, network, args.eval_samples, args.sample_steps, ceiling)
     minutes = (time.perf_counter() - start) / 60
     with atomic_write(out / "upcycle_demo.md", "w") as f:
         f.write(table)
     write_json_atomic(out / "upcycle_demo.json", {
-        "features": network, "rows": rows, "minutes": minutes,
+        "features": network, "classifier_held_out_accuracy": ceiling, "rows": rows, "minutes": minutes,
         "settings": {k: v for k, v in vars(args).items() if k != "output_dir"}})
     print(table)
     print(f"done in {minutes:.1f} min: {out / 'upcycle_demo.md'}, {out / 'upcycle_demo.json'}")

@@ -227,7 +227,8 @@ def test_script_refuses_bad_input(argv, match, inputs, refuses):
 
 
 TINY_DEMO = ["--dense-steps", "2", "--continue-steps", "2", "--router-warmup-steps", "1", "--images-per-class", "2",
-             "--reference-per-class", "1", "--eval-samples", "4", "--sample-steps", "1", "--calibration-batches", "1"]
+             "--reference-per-class", "1", "--eval-samples", "4", "--sample-steps", "1", "--classifier-epochs", "1",
+             "--calibration-batches", "1"]
 
 
 def test_upcycle_demo_smoke(tmp_path, load_script, capsys):
@@ -238,7 +239,9 @@ def test_upcycle_demo_smoke(tmp_path, load_script, capsys):
     result = json.loads((out / "upcycle_demo.json").read_text())
     assert [r["training_steps"] for r in result["rows"]] == [2, 4, 2, 4, 4]
     assert [r["head_activation"] for r in result["rows"]] == [1.0, 1.0, 0.75, 0.75, 0.75]
-    assert all(np.isfinite([r[k] for k in ("fid", "sfid", "precision", "recall")]).all() for r in result["rows"])
+    metrics = ("fid", "sfid", "precision", "recall", "class_accuracy")
+    assert all(np.isfinite([r[k] for k in metrics]).all() for r in result["rows"])
+    assert 0 <= result["classifier_held_out_accuracy"] <= 1
     assert "random InceptionV3" in result["features"]
     table = (out / "upcycle_demo.md").read_text()
     assert table.count("\n| ") == 6 and "NOT comparable" in table
@@ -257,6 +260,7 @@ def test_upcycle_demo_smoke(tmp_path, load_script, capsys):
     (["--dense-steps", "0"], "--dense-steps must be >= 1"),
     (["--continue-steps", "2", "--router-warmup-steps", "3"], "more than --continue-steps"),
     (["--eval-samples", "3"], "--eval-samples must be >= 4"),
+    (["--classifier-epochs", "0"], "--classifier-epochs must be >= 1"),
     (["--sample-steps", "1001"], "at most 1000"),
     (["--learning-rate", "nan"], "--learning-rate"),
     (["--ema-decay", "1"], "--ema-decay"),
