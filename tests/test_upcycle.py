@@ -124,6 +124,23 @@ def test_xl_layouts_fit_dense_xl_weights():
         assert all(".router_" in key for key in set(dst) - set(src))
 
 
+def test_xl_width_first_forward(randomize):
+    """DiT-XL/2's width (16 heads of 72, hidden 1152), two layers, measured importance: the
+    first forward is still the dense model with the unselected heads removed."""
+    dense = randomize(MoHDiTTransformer2DModel.from_preset("DiT-XL/2", num_layers=2, sample_size=8), std=0.02).eval()
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([3, 999]))]
+    moh, report = upcycle(dense, shared_heads=[10, 6], top_k=[2, 2], calibration=batches, progress=False)
+    assert moh.layer_heads == [16, 16] and [len(c.routed) for c in report.layers] == [6, 10]
+    assert all(len(c.importance) == 16 for c in report.layers)
+    x = torch.randn(2, 4, 8, 8, generator=gen)
+    t, y = torch.tensor([10, 900]), torch.tensor([1, 1000])
+    gap, gates = first_forward_gap(dense, moh, report.layers, x, t, y)
+    scale = dense(x, t, y).sample.abs().max().item()
+    assert gap <= 1e-5 * max(1.0, scale)
+    assert all(torch.equal(g[g != 0], torch.ones_like(g[g != 0])) for g in gates)
+
+
 def test_bad_layouts_are_refused(dense):
     with pytest.raises(ValueError, match="either --activation"):
         upcycle(dense)
