@@ -103,12 +103,15 @@ class UpcycleReport:
 def load_dense(source: Any, preset: str | None = None, weights: str = "ema", sample_size: int | None = None,
                num_classes: int | None = None) -> tuple[MoHDiTTransformer2DModel, str]:
     """The dense model and a name for it: a dense ``MoHDiTTransformer2DModel``, a folder it was
-    saved to (``save_pretrained``, e.g. a training run's ``final``), or anything
+    saved to (``save_pretrained``, e.g. a training run's ``final``, or a pipeline folder holding
+    one as ``transformer/``), or anything
     ``moh_dit.convert.convert_checkpoint`` reads for the dense ``preset``."""
     if isinstance(source, MoHDiTTransformer2DModel):
         model, name = source, "the given model"
     else:
         path = Path(str(source)).expanduser()
+        if (path / "model_index.json").is_file() and (path / "transformer" / "config.json").is_file():
+            path = path / "transformer"  # a pipeline folder
         config = path / "config.json"
         ours = False
         if path.is_dir() and config.is_file():

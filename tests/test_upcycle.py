@@ -173,6 +173,11 @@ def test_upcycled_model_saves_loads_and_samples_at_any_ratio(dense, tmp_path, ti
     assert json.loads((tmp_path / "up" / REPORT_FILE).read_text())["preset"] == "MoH-DiT-Tiny-up75"
     with pytest.raises(FileExistsError, match="not empty"):
         save_upcycled(moh, report, tmp_path / "up")
+    # a pipeline folder holding a dense transformer is a source too
+    dense.save_pretrained(tmp_path / "pipe" / "transformer")
+    (tmp_path / "pipe" / "model_index.json").write_text('{"_class_name": "MoHDiTPipeline"}')
+    again, _ = upcycle(tmp_path / "pipe", 0.75)
+    assert torch.equal(again(x, t, y).sample, moh(x, t, y).sample)
     pipe = MoHDiTPipeline(transformer=loaded, scheduler=make_scheduler("ddpm"))
     pipe.set_progress_bar_config(disable=True)
     for ratio in (1.0, 0.75, 0.6):
