@@ -111,6 +111,17 @@ PRESETS.update(
             sample_size=32, in_channels=3, learn_sigma=True, num_classes=10, class_dropout_prob=0.1,
             patch_size=4, num_layers=6, hidden_size=128, attention_head_dim=32, num_attention_heads=4,
         ),
+        # The CPU demo's model: MoH-DiT-Tiny's layers at 16x16 px with patch 2 (the same 64
+        # tokens and cost, but 2x2-pixel patches, so no visible 4x4 patch grid), and a label
+        # table initialised at unit scale so conditioning takes hold within minutes (see
+        # label_embedding_init_std in docs/demo.md).
+        "MoH-DiT-Tiny/2": dict(
+            sample_size=16, in_channels=3, learn_sigma=True, num_classes=12, class_dropout_prob=0.1,
+            patch_size=2, num_layers=6, hidden_size=128, attention_head_dim=32, num_attention_heads=4,
+            num_shared_heads=[4, 2, 2, 1, 2, 0],
+            top_k=[0, 1, 1, 2, 1, 2],
+            label_embedding_init_std=1.0,
+        ),
     }
 )
 

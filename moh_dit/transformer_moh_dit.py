@@ -399,6 +399,12 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
         gate_mode: ``"release"`` (the authors' checkpoint gates) or ``"paper"`` (Eq. 5-6).
         norm_eps: LayerNorm epsilon (DiT: 1e-6).
         class_names: optional names of the classes, index = class id (saved with the model).
+        label_embedding_init_std: std of the label table's normal initialisation. DiT's 0.02
+            (the default) suits the paper's long runs; in a run of a few thousand steps the
+            table stays so small that the model learns to ignore its labels, and 1.0 (the
+            scale of diffusers' ``DiTTransformer2DModel``, ``nn.Embedding``'s default) makes
+            conditioning take hold (the CPU demo uses it). Only initialisation: no effect on
+            loaded weights.
     """
 
     _supports_gradient_checkpointing = True
@@ -424,8 +430,11 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
         gate_mode: str = "release",
         norm_eps: float = 1e-6,
         class_names: list[str] | None = None,
+        label_embedding_init_std: float = 0.02,
     ):
         super().__init__()
+        if not (isinstance(label_embedding_init_std, (int, float)) and label_embedding_init_std >= 0):
+            raise ValueError(f"label_embedding_init_std must be a number >= 0, got {label_embedding_init_std!r}.")
         if sample_size % patch_size:
             raise ValueError(f"sample_size={sample_size} is not divisible by patch_size={patch_size}.")
         if class_names is not None and len(class_names) != num_classes:
@@ -462,7 +471,7 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
 
     def initialize_weights(self) -> None:
         """DiT's initialisation: xavier-uniform linears with zero bias, patch embedding as a
-        linear, N(0, 0.02) label table and timestep MLP, zero adaLN modulation and output
+        linear, N(0, 0.02) label table (``label_embedding_init_std``) and timestep MLP, zero adaLN modulation and output
         layer (so every block starts as the identity)."""
 
         def basic_init(module: nn.Module) -> None:
@@ -475,7 +484,8 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
         w = self.pos_embed.proj.weight
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         nn.init.zeros_(self.pos_embed.proj.bias)
-        nn.init.normal_(self.time_class_embed.class_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.time_class_embed.class_embedder.embedding_table.weight,
+                        std=self.config.label_embedding_init_std)
         nn.init.normal_(self.time_class_embed.timestep_embedder.linear_1.weight, std=0.02)
         nn.init.normal_(self.time_class_embed.timestep_embedder.linear_2.weight, std=0.02)
         for block in self.transformer_blocks:

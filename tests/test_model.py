@@ -496,3 +496,16 @@ def test_residual_stream_is_contiguous(randomize):
     with torch.no_grad():
         model(torch.randn(2, 3, 32, 32), torch.tensor([1, 500]), torch.tensor([0, 3]))
     assert seen == [True] * len(model.transformer_blocks)
+
+
+def test_label_embedding_init_std_is_an_initialisation_option():
+    """DiT's N(0, 0.02) label table by default; the CPU demo's preset starts it at unit scale."""
+    torch.manual_seed(0)
+    default = MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", num_classes=1000)
+    table = default.time_class_embed.class_embedder.embedding_table.weight
+    assert float(table.std()) == pytest.approx(0.02, rel=0.05)
+    demo = MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny/2", num_classes=1000)
+    assert float(demo.time_class_embed.class_embedder.embedding_table.weight.std()) == pytest.approx(1.0, rel=0.05)
+    assert demo.config.label_embedding_init_std == 1.0 and demo.config.patch_size == 2
+    with pytest.raises(ValueError, match="label_embedding_init_std"):
+        MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", label_embedding_init_std=-1.0)
