@@ -1,8 +1,11 @@
 """A small class-conditional dataset the package draws itself: bold coloured shapes.
 
-Twelve classes (4 shapes x 3 colours, folders such as ``red_circle``), 32x32 RGB PNGs in
-the ImageFolder layout, with random position, size and rotation, a little colour jitter
-and a mildly noisy light background. It exists so that the whole recipe (latent cache,
+Twelve classes (4 shapes x 3 colours, folders such as ``red_circle``), RGB PNGs (16x16 for
+the CPU demo, any size from 12 up) in the ImageFolder layout, with a random position, a
+narrow range of sizes, a small rotation, a little colour jitter and a nearly flat light
+background. The variation is kept small on purpose: a tiny DiT trained for minutes on a CPU
+must be able to learn every class's form, so the demo shows whether conditioning works
+rather than how much variety a tiny model can cover. It exists so that the whole recipe (latent cache,
 training, sampling, evaluation) can run end to end in minutes without downloads, and so
 that a tiny DiT's samples can be judged by eye: shapes are bold and the three colours are
 far apart, so a class is recognisable at a glance.
@@ -33,10 +36,11 @@ DEMO_COLOURS = {"red": (215, 35, 35), "green": (30, 160, 50), "blue": (40, 70, 2
 
 _SUPERSAMPLE = 4  # draw at 4x and box-downsample: anti-aliased edges without blur
 _FORMAT = "moh-dit-demo-shapes"
-_FORMAT_VERSION = 1
-# The largest shape (radius 0.38 S) with its margin must fit: 2 (1.25 * 0.38 S + 0.5) <= S, i.e. S >= 20;
-# below that some draws have no room for the shape (numpy refused them mid-way at S = 16).
-MIN_IMAGE_SIZE = 20
+_FORMAT_VERSION = 2  # version 1: radius 0.26-0.38 S, rotation +-15 deg, cross arms 0.34 r, background noise std 6, S >= 20
+RADIUS_RANGE = (0.30, 0.36)  # shape radius as a fraction of the image size
+# The largest shape with its margin must fit: 2 (1.25 * 0.36 S + 0.5) <= S, i.e. S >= 10;
+# 12 leaves every shape at least a few pixels across.
+MIN_IMAGE_SIZE = 12
 MAX_IMAGE_SIZE = 1024  # drawn at 4x supersampling: 4096^2 masks; larger is not a "small" dataset
 
 
@@ -55,7 +59,7 @@ def _shape_polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> 
         R = 1.15 * r
         pts = [(R * math.cos(a), R * math.sin(a)) for a in (-math.pi / 2, math.pi / 6, 5 * math.pi / 6)]
     elif shape == "cross":
-        a, w = r, 0.34 * r  # arm half-length, arm half-width
+        a, w = r, 0.42 * r  # arm half-length, arm half-width (bold: arms stay 4 px wide at 16 px)
         pts = [(-w, -a), (w, -a), (w, -w), (a, -w), (a, w), (w, w), (w, a), (-w, a), (-w, w), (-a, w), (-a, -w), (-w, -w)]
     else:
         raise ValueError(f"unknown shape {shape!r}; choose from {DEMO_SHAPES}")
@@ -71,11 +75,11 @@ def render_demo_image(class_name: str, rng: np.random.Generator, image_size: int
     if image_size < MIN_IMAGE_SIZE:
         raise ValueError(f"image_size must be at least {MIN_IMAGE_SIZE} for recognisable shapes, got {image_size}")
     S = image_size
-    r = rng.uniform(0.26, 0.38) * S
+    r = rng.uniform(*RADIUS_RANGE) * S
     # Keep the whole (possibly rotated) shape inside the image.
     margin = 1.25 * r + 0.5
     cx, cy = rng.uniform(margin, S - margin, size=2)
-    angle = math.radians(rng.uniform(-15.0, 15.0))
+    angle = math.radians(rng.uniform(-10.0, 10.0))
 
     k = _SUPERSAMPLE
     mask = Image.new("L", (S * k, S * k), 0)
@@ -86,7 +90,7 @@ def render_demo_image(class_name: str, rng: np.random.Generator, image_size: int
         draw.polygon([(x * k, y * k) for x, y in _shape_polygon(shape, cx, cy, r, angle)], fill=255)
     alpha = np.asarray(mask.resize((S, S), resample=Image.BOX), dtype=np.float32)[..., None] / 255.0
 
-    background = rng.uniform(200.0, 235.0) + rng.normal(0.0, 6.0, size=(S, S, 3))
+    background = rng.uniform(205.0, 235.0) + rng.normal(0.0, 2.0, size=(S, S, 3))
     colour = np.clip(np.asarray(DEMO_COLOURS[colour_name], dtype=np.float64) + rng.uniform(-20, 20, size=3), 0, 255)
     image = background * (1.0 - alpha) + colour * alpha
     return Image.fromarray(np.clip(np.rint(image), 0, 255).astype(np.uint8))
@@ -112,7 +116,7 @@ def make_demo_dataset(
     so an interrupted run leaves nothing behind under that name. ``overwrite`` replaces an
     existing demo dataset (or empty folder) only after the new one is complete; any other
     folder is refused. Arguments are checked before anything is written: ``images_per_class``
-    >= 1, ``image_size`` in [20, 1024], ``seed`` >= 0. ``demo_dataset.json`` in
+    >= 1, ``image_size`` in [12, 1024], ``seed`` >= 0. ``demo_dataset.json`` in
     the root records the settings (ImageFolder readers ignore files in the root).
     """
     for name, value, low, high in (("images_per_class", images_per_class, 1, None),

@@ -25,4 +25,11 @@ def test_demo_end_to_end(tmp_path, monkeypatch, capsys):
     sweep = json.loads((tmp_path / "demo" / "sweep" / "sweep.json").read_text())
     realised = sorted(row["realised_ratio"] for row in sweep["rows"])
     assert realised == [0.5, 0.75, 1.0]
+    # The classifier of the real images is trained and reported, and every ratio has a class accuracy.
+    assert "% on held-out real images" in out and "class accuracy of the samples at the trained ratio" in out
+    assert all(0.0 <= row["class_accuracy"] <= 1.0 for row in sweep["rows"])
+    summary = json.loads((tmp_path / "demo" / "demo_summary.json").read_text())
+    assert 0.0 <= summary["classifier_held_out_accuracy"] <= 1.0 and set(summary["class_accuracy"]) == {
+        row["ratio"] for row in sweep["rows"]}
+    assert (tmp_path / "demo" / "classifier" / "classifier.json").exists()
     assert (tmp_path / "demo" / "run" / "final" / "config.json").exists()
