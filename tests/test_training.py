@@ -678,3 +678,32 @@ def test_init_from_is_checked_against_the_preset(tmp_path, data, upcycled, load_
     monkeypatch.undo()
     with pytest.raises(ValueError, match="started with --init-from .* has no checkpoint yet"):
         train(config(tmp_path, data, output_dir=str(tmp_path / "crashed"), resume="latest"))
+
+
+def _loop_ema(ema, model, decay):
+    """The per-parameter EMA update that update_ema replaced, as the reference."""
+    with torch.no_grad():
+        ema_params = dict(ema.named_parameters())
+        for name, param in model.named_parameters():
+            ema_params[name].mul_(decay).add_(param.detach().to(ema_params[name].dtype), alpha=1 - decay)
+
+
+@pytest.mark.parametrize("decay", [0.9999, 0.9, 0.0])
+def test_foreach_ema_is_bit_identical_to_the_per_parameter_loop(decay):
+    import copy
+
+    torch.manual_seed(0)
+    model = MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, in_channels=3, num_classes=3)
+    ema_a = copy.deepcopy(model).requires_grad_(False)
+    ema_b = copy.deepcopy(model).requires_grad_(False)
+    for _ in range(3):  # the model moves between updates, as in training
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        training_loop.update_ema(ema_a, model, decay)
+        _loop_ema(ema_b, model, decay)
+    a, b = ema_a.state_dict(), ema_b.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], model.state_dict()[k]) for k in a) or decay == 0.0
+    if decay == 0.0:
+        assert all(torch.equal(a[k], model.state_dict()[k]) for k in a)

@@ -25,10 +25,23 @@ from .errors import TrainingDivergedError
 
 @torch.no_grad()
 def update_ema(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
-    """ema <- decay * ema + (1 - decay) * model, parameter by parameter (DiT's constant decay)."""
-    ema_params = dict(ema.named_parameters())
-    for name, param in model.named_parameters():
-        ema_params[name].mul_(decay).add_(param.detach().to(ema_params[name].dtype), alpha=1 - decay)
+    """ema <- decay * ema + (1 - decay) * model (DiT's constant decay), as two multi-tensor
+    ``torch._foreach_*`` updates over all parameters rather than two kernels per parameter.
+
+    Same arithmetic as ``e.mul_(decay).add_(p, alpha=1 - decay)`` per parameter, so the result
+    is bit-identical to that loop (``_foreach_lerp_`` would round differently and break the
+    equality with runs that used the loop). Parameters are paired by name."""
+    model_params = dict(model.named_parameters())
+    ema_list, model_list = [], []
+    for name, e in ema.named_parameters():
+        p = model_params[name].detach()
+        ema_list.append(e)
+        model_list.append(p if p.dtype == e.dtype and p.device == e.device else p.to(e))
+    if len(model_params) != len(ema_list):
+        missing = sorted(set(model_params) - {n for n, _ in ema.named_parameters()})
+        raise KeyError(f"the EMA model lacks parameters {missing[:3]}; it must be a copy of the model.")
+    torch._foreach_mul_(ema_list, decay)
+    torch._foreach_add_(ema_list, model_list, alpha=1 - decay)
 
 
 @torch.no_grad()
