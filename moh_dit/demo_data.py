@@ -36,7 +36,7 @@ DEMO_COLOURS = {"red": (215, 35, 35), "green": (30, 160, 50), "blue": (40, 70, 2
 
 _SUPERSAMPLE = 4  # draw at 4x and box-downsample: anti-aliased edges without blur
 _FORMAT = "moh-dit-demo-shapes"
-_FORMAT_VERSION = 2  # version 1: radius 0.26-0.38 S, rotation +-15 deg, cross arms 0.34 r, background noise std 6, S >= 20
+_FORMAT_VERSION = 2  # version 1: radius 0.26-0.38 S, rotation +-15 deg, cross arms 0.34 r wide and r long, background noise std 6, S >= 20
 RADIUS_RANGE = (0.30, 0.36)  # shape radius as a fraction of the image size
 # The largest shape with its margin must fit: 2 (1.25 * 0.36 S + 0.5) <= S, i.e. S >= 10;
 # 12 leaves every shape at least a few pixels across.
@@ -59,7 +59,7 @@ def _shape_polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> 
         R = 1.15 * r
         pts = [(R * math.cos(a), R * math.sin(a)) for a in (-math.pi / 2, math.pi / 6, 5 * math.pi / 6)]
     elif shape == "cross":
-        a, w = r, 0.42 * r  # arm half-length, arm half-width (bold: arms stay 4 px wide at 16 px)
+        a, w = 1.1 * r, 0.30 * r  # arm half-length, arm half-width: long thin arms read as a cross at 16 px
         pts = [(-w, -a), (w, -a), (w, -w), (a, -w), (a, w), (w, w), (w, a), (-w, a), (-w, w), (-a, w), (-a, -w), (-w, -w)]
     else:
         raise ValueError(f"unknown shape {shape!r}; choose from {DEMO_SHAPES}")
