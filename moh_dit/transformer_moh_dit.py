@@ -617,11 +617,10 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
         if class_labels.dtype.is_floating_point or class_labels.dtype == torch.bool:
             raise ValueError(f"class_labels must be integer class ids; got dtype {class_labels.dtype}.")
         # The range check reads the labels on the host. On a GPU that is a sync per forward,
-        # so it is skipped in no-grad GPU inference (the sampling loop: the pipeline has
-        # checked the labels before moving them; a bad id there trips the embedding's
-        # device-side assert). On the CPU and in training it always runs.
-        host_check = class_labels.device.type == "cpu" or torch.is_grad_enabled()
-        if host_check and not torch.compiler.is_compiling():
+        # so it runs only for labels on the CPU: the pipeline and the training loop check
+        # the labels on the host before moving them, and a bad id on a GPU trips the
+        # embedding's device-side assert.
+        if class_labels.device.type == "cpu" and not torch.compiler.is_compiling():
             lo, hi = int(class_labels.min()), int(class_labels.max())
             if lo < 0 or hi > self.config.num_classes:
                 raise ValueError(

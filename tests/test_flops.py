@@ -140,3 +140,28 @@ def test_bad_arguments():
         forward_flops({"hidden_size": 384})
     with pytest.raises(ValueError, match="top_k has 2 entries for a 12-layer model"):
         model_attention_flops(get_preset("MoH-DiT-S/2-75"), [1, 1])
+
+
+def test_peak_flops_table_by_device_name_and_measured_fallback(monkeypatch):
+    from moh_dit import speed
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    peak, source = speed.peak_flops("cuda", torch.bfloat16)
+    assert peak == pytest.approx(989.4e12) and source.startswith("datasheet peak of NVIDIA H200, bf16/fp16")
+    assert speed.peak_flops("cuda", torch.float32, allow_tf32=True)[0] == pytest.approx(494.7e12)
+    assert speed.peak_flops("cuda", torch.float32, allow_tf32=False)[0] == pytest.approx(66.9e12)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    assert speed.peak_flops("cuda", torch.float16)[0] == pytest.approx(756.0e12)  # not the SXM figure
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert speed.peak_flops("cuda", torch.bfloat16)[0] == pytest.approx(312.0e12)
+    peak, source = speed.peak_flops("cpu")  # no table for CPUs: a timed matmul
+    assert peak > 1e8 and source.startswith("measured matmul on cpu (float32)")
+
+
+def test_training_flops_are_three_forwards_on_the_dense_masked_path():
+    from moh_dit import speed
+
+    assert speed.training_flops_per_image(get_preset("DiT-XL/2")) == 3 * 237_242_843_136
+    moh = get_preset("MoH-DiT-XL/2-90")
+    # training computes every head (dense-masked), so the count is at ratio 1.0, routers included
+    assert speed.training_flops_per_image(moh) == 3 * forward_flops(moh, ratio=1.0) > 3 * forward_flops(moh)

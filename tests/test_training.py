@@ -707,3 +707,62 @@ def test_foreach_ema_is_bit_identical_to_the_per_parameter_loop(decay):
     assert any(not torch.equal(a[k], model.state_dict()[k]) for k in a) or decay == 0.0
     if decay == 0.0:
         assert all(torch.equal(a[k], model.state_dict()[k]) for k in a)
+
+
+def test_nan_loss_between_checks_is_caught_before_any_checkpoint_with_its_step(tmp_path, data, monkeypatch):
+    """The finite check runs at log / checkpoint steps only (no per-step host sync), yet the
+    first NaN step is the one named, and nothing is logged or checkpointed after it."""
+    real_forward = MoHDiTTransformer2DModel.forward
+    calls = {"n": 0}
+
+    def nan_at_step_3(self, *args, **kwargs):
+        out = real_forward(self, *args, **kwargs)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] >= 3:  # step 3 and every later one
+                out.sample = out.sample * float("nan")
+        return out
+
+    monkeypatch.setattr(MoHDiTTransformer2DModel, "forward", nan_at_step_3)
+    checks = []
+    real_check = training_loop._stop_if_diverged
+    monkeypatch.setattr(training_loop, "_stop_if_diverged",
+                        lambda ctx, watch: (checks.append(ctx.parts.state.step), real_check(ctx, watch)))
+    with pytest.raises(TrainingDivergedError, match=r"loss became nan at step 3 .*last good checkpoint is none"):
+        train(config(tmp_path, data, max_steps=8, checkpoint_every=4, log_every=4))
+    assert checks == [4]  # steps 1-3 never read the loss on the host
+    assert find_latest_checkpoint(tmp_path / "run") is None
+    assert not (tmp_path / "run" / "train_log.jsonl").exists()
+
+
+def test_training_steps_between_logs_never_read_a_tensor_on_the_host(tmp_path, data, monkeypatch):
+    """Between log / checkpoint steps the loop asks nothing of the device (on a GPU each such
+    read waits for it; tests/test_cuda.py checks the same under CUDA's sync debug mode)."""
+    reads = []
+    real_step = training_loop._train_step
+
+    def reader(name, real):
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            # AdamW reads its step counters, which live on the CPU even when training on a GPU
+            if "torch/optim" not in caller.replace("\\", "/"):
+                reads.append(f"{name} in {caller}")
+            return real(self, *args, **kwargs)
+        return read
+
+    def watched_step(*args, **kwargs):
+        names = ("item", "tolist", "__bool__", "__float__")
+        saved = {n: getattr(torch.Tensor, n) for n in names}
+        for n in names:
+            monkeypatch.setattr(torch.Tensor, n, reader(n, saved[n]))
+        try:
+            return real_step(*args, **kwargs)
+        finally:
+            for n in names:
+                monkeypatch.setattr(torch.Tensor, n, saved[n])
+
+    monkeypatch.setattr(training_loop, "_train_step", watched_step)
+    train(config(tmp_path, data, max_steps=3, checkpoint_every=3, log_every=3))
+    assert reads == []
+    log = json.loads((tmp_path / "run" / "train_log.jsonl").read_text().splitlines()[-1])
+    assert log["images_per_sec"] > 0 and log["steps_per_sec"] > 0 and 0 < log["mfu"] < 1

@@ -1,7 +1,8 @@
 """The step loop: one optimiser step per batch, then its log, sample grid and checkpoint.
 
 Each concern is one function, in the order :func:`run_loop` calls them: :func:`_next_batch`
-(data position, VAE encoding), :func:`_train_step` (loss, finite check, update, EMA),
+(data position, VAE encoding), :func:`_train_step` (loss, update, EMA), :func:`_stop_if_diverged`
+(the finite check, at the steps that write),
 :func:`_log_window` (averages over the steps since the last log, head usage),
 :func:`_save_sample_grid` and the checkpoint. The order of random draws is the one a resumed
 run replays, so nothing here may add, drop or reorder one.
@@ -93,6 +94,8 @@ class LoopContext:
     log_with: str | None
     last_checkpoint: str | Path | None
     held_in_warmup: list[torch.nn.Parameter] = field(default_factory=list)  # all but the routers (router warm-up)
+    flops_per_image: int | None = None  # one training step's FLOPs per image (moh_dit.speed), for MFU
+    peak_flops: float | None = None  # one device's peak FLOP/s; None: no MFU
 
 
 @dataclass
@@ -127,10 +130,30 @@ class _LogWindow:
         self.count += 1
 
 
+class _DivergenceWatch:
+    """The first step whose loss was NaN/inf on this process, and its terms, kept on the
+    device: updating it costs a few tiny kernels and no host sync, so the step loop never
+    waits for the GPU. :func:`_stop_if_diverged` reads it at the log, sample and checkpoint
+    steps, before anything is written."""
+
+    def __init__(self, device: torch.device):
+        self.first = torch.full((), -1, dtype=torch.long, device=device)  # step number, -1: none yet
+        self.terms = torch.zeros(4, dtype=torch.float32, device=device)  # loss, mse, vb, lb at that step
+
+    def update(self, step_number: int, step: "_Step") -> None:
+        new = (self.first < 0) & ~torch.isfinite(step.loss)
+        self.first = torch.where(new, step_number, self.first)
+        values = torch.stack([step.loss.float(), step.mse.float(), step.vb.float(), step.lb.float()])
+        self.terms = torch.where(new, values, self.terms)
+
+
 def _next_batch(ctx: LoopContext, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
     """The next batch on the device, the data position advanced, latents encoded if a VAE is in use."""
     device, state, vae = ctx.parts.accelerator.device, ctx.parts.state, ctx.space.vae
     x, y = next(batches)
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= ctx.num_classes):  # on the host, before the copy
+        raise ValueError(f"the data gave class ids in [{int(y.min())}, {int(y.max())}], outside [0, "
+                         f"{ctx.num_classes - 1}]: the dataset and the model's classes disagree.")
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     ctx.sampler.advance(ctx.per_process)
     state.images_skipped += ctx.per_process - x.shape[0]  # unreadable images dropped (--on-corrupt skip)
@@ -141,25 +164,32 @@ def _next_batch(ctx: LoopContext, batches: Iterator) -> tuple[torch.Tensor, torc
     return x, y
 
 
-def _stop_if_diverged(ctx: LoopContext, loss: torch.Tensor, terms: dict, out) -> None:
-    """Raise TrainingDivergedError on every process if the loss is NaN/inf on any of them."""
+def _stop_if_diverged(ctx: LoopContext, watch: _DivergenceWatch) -> None:
+    """Raise TrainingDivergedError on every process if the loss was NaN/inf at any step so
+    far on any of them, naming the first such step (one host sync, at log, sample and
+    checkpoint steps only)."""
     acc = ctx.parts.accelerator
-    bad = (~torch.isfinite(loss.detach())).float()
+    first = watch.first.reshape(1)
+    terms = watch.terms.reshape(1, 4)
     if acc.num_processes > 1:  # decided together: a rank that stopped alone would leave the others waiting
-        bad = acc.reduce(bad, "sum")
-    if bad.item():
-        raise TrainingDivergedError(
-            f"The loss became {loss.item()} at step {ctx.parts.state.step + 1}"
-            f"{' here, NaN/inf on another process' if torch.isfinite(loss) else ''} (mse {terms['mse'].mean().item():.4g}, "
-            f"vb {terms['vb'].mean().item():.4g}, lb {out.load_balance_loss.item():.4g}). "
-            f"The last good checkpoint is {ctx.last_checkpoint or 'none'}; lower --learning-rate, set --max-grad-norm, "
-            "or use bf16 instead of fp16, then resume."
-        )
+        first, terms = acc.gather(first), acc.gather(terms)
+    steps = first.tolist()
+    bad = [(step, rank) for rank, step in enumerate(steps) if step >= 0]
+    if not bad:
+        return
+    step, rank = min(bad)
+    loss, mse, vb, lb = terms[rank].tolist()
+    where = f" on process {rank}" if acc.num_processes > 1 else ""
+    raise TrainingDivergedError(
+        f"The loss became {loss} at step {step}{where} (mse {mse:.4g}, vb {vb:.4g}, lb {lb:.4g}). "
+        f"The last good checkpoint is {ctx.last_checkpoint or 'none'}; lower --learning-rate, set --max-grad-norm, "
+        "or use bf16 instead of fp16, then resume."
+    )
 
 
 def _train_step(ctx: LoopContext, x: torch.Tensor, y: torch.Tensor, log_now: bool) -> _Step:
     """One optimiser step on (x, y): diffusion loss plus ``lb_coeff`` times the load-balance
-    loss, the finite check, backward, clipping, AdamW, the LR schedule and the EMA."""
+    loss, backward, clipping, AdamW, the LR schedule and the EMA."""
     cfg, acc, parts, diffusion = ctx.cfg, ctx.parts.accelerator, ctx.parts, ctx.diffusion
     t = diffusion.sample_timesteps(x.shape[0], device=acc.device)
     noise = torch.randn_like(x)
@@ -168,7 +198,6 @@ def _train_step(ctx: LoopContext, x: torch.Tensor, y: torch.Tensor, log_now: boo
         out = ctx.model(x_t, t, y, output_load_balance_loss=True, output_head_usage=log_now and parts.model.is_moh)
     terms = diffusion.training_losses(out.sample, x, x_t, t, noise)
     loss = terms["loss"].mean() + cfg.lb_coeff * out.load_balance_loss
-    _stop_if_diverged(ctx, loss, terms, out)
     acc.backward(loss)
     if parts.state.step < cfg.router_warmup_steps:
         # Router warm-up: the other parameters get no gradient, so AdamW skips them entirely
@@ -207,13 +236,17 @@ def _log_window(ctx: LoopContext, window: _LogWindow, step: _Step, progress) -> 
             for k, v in window.sums.items()}
     logs.update(steps_per_sec=window.count / elapsed, images_per_sec=window.images / elapsed,
                 lr=ctx.parts.lr_scheduler.get_last_lr()[0], images_skipped=state.images_skipped)
+    if ctx.flops_per_image and ctx.peak_flops:
+        logs["mfu"] = logs["images_per_sec"] * ctx.flops_per_image / (ctx.peak_flops * acc.num_processes)
     if ctx.parts.model.is_moh and step.head_usage is not None:
         _head_balance(ctx, step.head_usage, logs)
     if ctx.log_with is not None:
         acc.log(logs, step=state.step)
     if progress is not None:
-        progress.set_postfix(loss=f"{logs['loss']:.4f}", mse=f"{logs['mse']:.4f}", lb=f"{logs['lb']:.3f}",
-                             it_s=f"{logs['steps_per_sec']:.2f}")
+        speed = {"it_s": f"{logs['steps_per_sec']:.2f}", "img_s": f"{logs['images_per_sec']:.1f}"}
+        if "mfu" in logs:
+            speed["mfu"] = f"{100 * logs['mfu']:.1f}%"
+        progress.set_postfix(loss=f"{logs['loss']:.4f}", mse=f"{logs['mse']:.4f}", lb=f"{logs['lb']:.3f}", **speed)
         with open(Path(ctx.cfg.output_dir) / "train_log.jsonl", "a") as f:
             f.write(json.dumps({"step": state.step, **logs}) + "\n")
 
@@ -240,23 +273,31 @@ def _progress_bar(ctx: LoopContext):
 def run_loop(ctx: LoopContext, batches: Iterator) -> None:
     """Train from the current step to ``cfg.max_steps``; after each step, its log (every
     ``log_every`` and at the end), sample grid (``sample_every``, main process) and
-    checkpoint (every ``checkpoint_every`` and at the end)."""
+    checkpoint (every ``checkpoint_every`` and at the end). The loss is checked for NaN/inf
+    at each of those steps, before anything is written (:class:`_DivergenceWatch`); in
+    between, nothing waits for the device."""
     cfg, acc, state = ctx.cfg, ctx.parts.accelerator, ctx.parts.state
     window = _LogWindow()
+    watch = _DivergenceWatch(acc.device)
     progress = _progress_bar(ctx)
     while state.step < cfg.max_steps:
         x, y = _next_batch(ctx, batches)
         log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps
         step = _train_step(ctx, x, y, log_now)
+        watch.update(state.step, step)
         window.add(step, cfg.global_batch_size)
         if progress is not None:
             progress.update(1)
+        sample_now = bool(cfg.sample_every) and state.step % cfg.sample_every == 0
+        checkpoint_now = state.step % cfg.checkpoint_every == 0 or state.step == cfg.max_steps
+        if log_now or sample_now or checkpoint_now:  # on every process: the check is collective
+            _stop_if_diverged(ctx, watch)
         if log_now:
             _log_window(ctx, window, step, progress)
             window = _LogWindow()
-        if cfg.sample_every and state.step % cfg.sample_every == 0 and acc.is_main_process:
+        if sample_now and acc.is_main_process:
             _save_sample_grid(ctx)
-        if state.step % cfg.checkpoint_every == 0 or state.step == cfg.max_steps:
+        if checkpoint_now:
             ctx.last_checkpoint = save_checkpoint(ctx.parts, cfg, state.step, ctx.run)
     if progress is not None:
         progress.close()

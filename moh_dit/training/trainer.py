@@ -24,6 +24,7 @@ from ..io_utils import publish_folder
 from ..latents import LatentDataset, load_vae, vae_downsample_factor
 from ..presets import resolve_layer_layout
 from ..runtime import set_tf32
+from ..speed import peak_flops, training_flops_per_image
 from ..transformer_moh_dit import MoHDiTTransformer2DModel
 from .checkpoints import Parts, TrainState, load_checkpoint
 from .config import TrainConfig
@@ -218,8 +219,10 @@ def _prepare_training(cfg: TrainConfig, accelerator, model, data: _Data, space: 
     ema = copy.deepcopy(model).to(accelerator.device).requires_grad_(False).eval()
     model.train()
     diffusion = create_diffusion()
+    # The fused kernel (one launch for all parameters) where the device has it; else torch's default.
+    fused = {"fused": True} if accelerator.device.type == "cuda" else {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                  betas=tuple(cfg.adam_betas))
+                                  betas=tuple(cfg.adam_betas), **fused)
     warmup = max(cfg.warmup_steps, 0)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
@@ -227,9 +230,19 @@ def _prepare_training(cfg: TrainConfig, accelerator, model, data: _Data, space: 
     # registered with accelerate, whose custom state is a pickle loaded with weights_only=False.
     parts = Parts(accelerator, accelerator.unwrap_model(model), ema, optimizer, lr_scheduler, TrainState(data.sampler))
     held = [p for name, p in model.named_parameters() if ".router_" not in name] if cfg.router_warmup_steps else []
+    flops, peak = _mfu_terms(cfg, accelerator, parts.model)
     return LoopContext(cfg=cfg, parts=parts, model=model, diffusion=diffusion, space=space, sampler=data.sampler,
                        per_process=data.per_process, num_classes=len(data.classes), run=run, log_with=log_with,
-                       last_checkpoint=None, held_in_warmup=held)
+                       last_checkpoint=None, held_in_warmup=held, flops_per_image=flops, peak_flops=peak)
+
+
+def _mfu_terms(cfg: TrainConfig, accelerator, model) -> tuple[int, float]:
+    """One training step's FLOPs per image and one device's peak FLOP/s (a datasheet figure
+    for known GPUs, else a timed matmul: said once at the start), for the MFU in the logs."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision, torch.float32)
+    peak, source = peak_flops(accelerator.device, dtype, allow_tf32=cfg.allow_tf32)
+    accelerator.print(f"MFU is measured against the {source}.")
+    return training_flops_per_image(model), peak
 
 
 def _finish(ctx: LoopContext, class_to_idx: dict[str, int]) -> Path:
