@@ -122,6 +122,11 @@ PRESETS.update(
             top_k=[0, 1, 1, 2, 1, 2],
             label_embedding_init_std=1.0,
         ),
+        "DiT-Tiny/2": dict(
+            sample_size=16, in_channels=3, learn_sigma=True, num_classes=12, class_dropout_prob=0.1,
+            patch_size=2, num_layers=6, hidden_size=128, attention_head_dim=32, num_attention_heads=4,
+            label_embedding_init_std=1.0,
+        ),
     }
 )
 
@@ -218,6 +223,8 @@ for _name, _dense, _act, _shared, _k in (
     ("MoH-DiT-Tiny-up75", "DiT-Tiny", 0.75, [4, 2, 2, 1, 2, 0], [0, 1, 1, 2, 1, 2]),
     # 12 + 4 + 3 + 3 = 22 of 24: 0.9167, the nearest to 0.9 with whole heads
     ("MoH-DiT-Tiny-up90", "DiT-Tiny", 0.9, [4, 4, 4, 3, 2, 2], [0, 0, 0, 1, 1, 1]),
+    # the CPU demo's size (16 px, patch 2; the layout of MoH-DiT-Tiny/2): the upcycling demo
+    ("MoH-DiT-Tiny/2-up75", "DiT-Tiny/2", 0.75, [4, 2, 2, 1, 2, 0], [0, 1, 1, 2, 1, 2]),
 ):
     PRESETS[_name] = _upcycled(_dense, _act, _shared, _k)
     UPCYCLED_PRESETS[_name] = (_dense, _act)

@@ -2,9 +2,10 @@
 
     python scripts/upcycle_demo.py [--output-dir upcycle_demo]
 
-1. writes the demo dataset (12 classes of coloured shapes, 32x32) and held-out reference images;
-2. trains a dense DiT-Tiny for N = --dense-steps steps (pixel space);
-3. upcycles it to MoH-DiT-Tiny-up75 (0.75 head activation; shared heads by measured importance
+1. writes the demo dataset (12 classes of coloured shapes, 16x16, as scripts/demo.py) and
+   held-out reference images;
+2. trains a dense DiT-Tiny/2 (the demo model's size: 16 px, patch 2) for N = --dense-steps steps;
+3. upcycles it to MoH-DiT-Tiny/2-up75 (0.75 head activation; shared heads by measured importance
    on the training images) and continues it for M = --continue-steps steps, the routers alone
    for the first --router-warmup-steps;
 4. the baselines: the dense model continued for M steps, and a MoH model of the same layout
@@ -37,28 +38,30 @@ from moh_dit.demo_data import make_demo_dataset
 from moh_dit.io_utils import atomic_write, write_json_atomic
 from moh_dit.training import TrainConfig, find_latest_checkpoint, train
 
-DENSE, UPCYCLED = "DiT-Tiny", "MoH-DiT-Tiny-up75"
+DENSE, UPCYCLED = "DiT-Tiny/2", "MoH-DiT-Tiny/2-up75"  # the main demo's 16 px, patch 2 recipe
+IMAGE_SIZE = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output-dir", default="upcycle_demo")
     # N and M are sized so the whole command stays under 20 minutes on 2 CPU cores (docs/upcycling.md):
-    # 2N + 3M training steps at about 3.5 steps/s, 5 x 200 + 480 images through Inception at about 4 per second
-    # and the classifier: about 18 min in all.
-    p.add_argument("--dense-steps", type=int, default=750, help="N: steps of the dense model before upcycling")
-    p.add_argument("--continue-steps", type=int, default=250, help="M: steps after upcycling (and of the baselines)")
-    p.add_argument("--router-warmup-steps", type=int, default=25, help="of the M steps, routers only (default: %(default)s)")
+    # 2N + 3M training steps at about 3.9 steps/s (the demo's 16 px, patch 2 model), 5 x 120 + 360 images
+    # through the Inception network at about 6 per second, and the classifier: about 16 min in all.
+    p.add_argument("--dense-steps", type=int, default=900, help="N: steps of the dense model before upcycling")
+    p.add_argument("--continue-steps", type=int, default=300, help="M: steps after upcycling (and of the baselines)")
+    p.add_argument("--router-warmup-steps", type=int, default=30, help="of the M steps, routers only (default: %(default)s)")
     p.add_argument("--images-per-class", type=int, default=300)
-    p.add_argument("--reference-per-class", type=int, default=40, help="held-out reference images per class")
+    p.add_argument("--reference-per-class", type=int, default=30, help="held-out reference images per class")
     # The settings of scripts/demo.py: a tiny model and a short run.
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=100, help="learning-rate warm-up of every run")
     p.add_argument("--ema-decay", type=float, default=0.99)
     p.add_argument("--calibration-batches", type=int, default=4, help="batches of 32 training images for importance")
-    p.add_argument("--eval-samples", type=int, default=200, help="images per model for the metrics")
-    p.add_argument("--sample-steps", type=int, default=50, help="DDPM steps per image")
+    p.add_argument("--eval-samples", type=int, default=120, help="images per model for the metrics")
+    p.add_argument("--sample-steps", type=int, default=25, help="DDPM steps per image")
+    p.add_argument("--guidance", type=float, default=1.5, help="classifier-free guidance of the samples (1 = none)")
     p.add_argument("--classifier-epochs", type=int, default=4,
                    help="epochs of the small CNN that scores class accuracy (trained on the training images)")
     p.add_argument("--inception-weights", default=None)
@@ -88,6 +91,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--learning-rate must be a positive finite number, got {args.learning_rate}")
     if not (math.isfinite(args.ema_decay) and 0.0 <= args.ema_decay < 1.0):
         raise ValueError(f"--ema-decay must be in [0, 1), got {args.ema_decay}")
+    if not (math.isfinite(args.guidance) and args.guidance >= 1.0):
+        raise ValueError(f"--guidance must be a finite number >= 1 (1 = no guidance), got {args.guidance}")
     if args.inception_weights is not None and not Path(args.inception_weights).expanduser().is_file():
         raise FileNotFoundError(f"--inception-weights {args.inception_weights}: no such file")
     out = Path(args.output_dir)
@@ -102,7 +107,7 @@ def _train(args: argparse.Namespace, run: Path, preset: str, data: Path, steps: 
         return run / "final"
     resume = "latest" if init_from is None or find_latest_checkpoint(run) is not None else None
     return train(TrainConfig(
-        preset=preset, output_dir=str(run), data_dir=str(data), vae="none", image_size=32, max_steps=steps,
+        preset=preset, output_dir=str(run), data_dir=str(data), vae="none", image_size=IMAGE_SIZE, max_steps=steps,
         global_batch_size=args.batch_size, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
         ema_decay=args.ema_decay, checkpoint_every=max(1, steps // 3), checkpoints_total_limit=1, resume=resume,
         seed=args.seed, num_workers=0, log_every=100, report_to="none",
@@ -137,7 +142,7 @@ def _classifier(args: argparse.Namespace, data: Path, folder: Path) -> tuple[Pat
     from moh_dit.classifier import train_classifier
 
     if not (folder / "classifier.json").is_file():
-        train_classifier(data, folder, epochs=args.classifier_epochs, seed=args.seed, log=None)
+        train_classifier(data, folder, image_size=IMAGE_SIZE, epochs=args.classifier_epochs, seed=args.seed, log=None)
     return folder, float(json.loads((folder / "classifier.json").read_text())["held_out"]["accuracy"])
 
 
@@ -154,7 +159,7 @@ def evaluate_models(args: argparse.Namespace, models: list[tuple[str, int, Path]
         pipe = load_pipeline(folder)
         pipe.set_progress_bar_config(disable=True)
         result = run_sweep(pipe, ["trained"], reference=reference, num_samples=args.eval_samples, batch_size=60,
-                           num_inference_steps=args.sample_steps, guidance_scale=1.0, seed=args.seed,
+                           num_inference_steps=args.sample_steps, guidance_scale=args.guidance, seed=args.seed,
                            cache_dir=cache, progress=False, log=None, classifier=classifier, **inception)
         row = result.rows[0]
         rows.append({"model": name, "training_steps": steps, "head_activation": row.realised_ratio,
@@ -166,10 +171,10 @@ def evaluate_models(args: argparse.Namespace, models: list[tuple[str, int, Path]
 
 
 def markdown_table(rows: list[dict[str, Any]], network: str, samples: int, sample_steps: int,
-                   classifier_accuracy: float) -> str:
+                   classifier_accuracy: float, guidance: float = 1.0) -> str:
     lines = [f"Features: {network}. Class accuracy: a small CNN trained on the training images "
              f"({classifier_accuracy:.3f} on held-out real images; chance 1/12). {samples} images per model, "
-             f"{sample_steps} DDPM steps, no guidance, same seeds and labels for every model.", "",
+             f"{sample_steps} DDPM steps, guidance {guidance}, same seeds and labels for every model.", "",
              "| model | training steps | head activation | FID | sFID | precision | recall | class accuracy |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -206,9 +211,10 @@ def main(args: argparse.Namespace) -> int:
     n, m = args.dense_steps, args.continue_steps
     data, reference = out / "data", out / "reference"  # the reference is never trained on
     if not data.is_dir():
-        make_demo_dataset(data, images_per_class=args.images_per_class, seed=args.seed)
+        make_demo_dataset(data, images_per_class=args.images_per_class, image_size=IMAGE_SIZE, seed=args.seed)
     if not reference.is_dir():
-        make_demo_dataset(reference, images_per_class=args.reference_per_class, seed=args.seed + 1)
+        make_demo_dataset(reference, images_per_class=args.reference_per_class, image_size=IMAGE_SIZE,
+                          seed=args.seed + 1)
     print(f"[1/5] demo dataset: {data} (held-out reference: {reference})")
     print(f"[2/5] dense {DENSE}: {n} steps")
     dense = _train(args, out / "dense", DENSE, data, n)
@@ -225,7 +231,7 @@ def main(args: argparse.Namespace) -> int:
               ("upcycled, before training", n, upcycled), ("upcycled, continued", n + m, continued),
               (f"{UPCYCLED} from scratch", n + m, scratch)]
     rows, network = evaluate_models(args, models, reference, out / "cache", classifier)
-    table = markdown_table(rows, network, args.eval_samples, args.sample_steps, ceiling)
+    table = markdown_table(rows, network, args.eval_samples, args.sample_steps, ceiling, args.guidance)
     minutes = (time.perf_counter() - start) / 60
     with atomic_write(out / "upcycle_demo.md", "w") as f:
         f.write(table)
