@@ -54,8 +54,11 @@ def measure_matmul_flops(device: torch.device | str, dtype: torch.dtype = torch.
     (``size``: 1024 on the CPU, 8192 elsewhere), after one warm-up."""
     device = torch.device(device)
     size = size or (1024 if device.type == "cpu" else 8192)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    # A private generator: the timing must not consume the global random stream, which
+    # training draws its noise and timesteps from (a fresh run would otherwise change).
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.mm(a, b)
     sync()
