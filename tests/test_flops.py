@@ -93,7 +93,11 @@ def test_moh_forward_matches_torch_flop_counter():
     attention (forward_flops at ratio 1.0) plus every router, which are the plain ``mm``."""
     model = MoHDiTTransformer2DModel.from_preset("MoH-DiT-S/2-75").eval()
     model.set_sparse_inference(False)
-    counted = counted_forward(model)
+    counted = counted_forward(model)  # the routers run inside the fused QKV GEMM (an addmm)
+    assert sum(counted.values()) == forward_flops(model, ratio=1.0) and "mm" not in counted
+    for block in model.transformer_blocks:
+        block.attn1.fused_projections = False
+    counted = counted_forward(model)  # separate linears: the bias-free routers are the plain mm
     assert sum(counted.values()) == forward_flops(model, ratio=1.0)
     assert counted["mm"] == forward_flop_terms(model)["routers"] > 0
 
@@ -124,10 +128,14 @@ def test_ratio_changes_only_the_attention_and_leaves_the_model_alone():
     config = get_preset("MoH-DiT-XL/2-75")
     assert forward_flops(config) == forward_flops(meta_model("MoH-DiT-XL/2-75"))  # trained layout
     assert forward_flops(config, 1.0) == forward_flops(model, 1.0)
-    with pytest.raises(ValueError, match="pass the model instead"):
-        forward_flops(config, 0.8)
-    with pytest.raises(ValueError, match="reachable range"):
-        forward_flops(model, 0.5)
+    # a config dict at any ratio: the model's top-K rule without building the model
+    for ratio in (0.8, 0.7, 0.9):
+        assert forward_flop_terms(config, ratio) == forward_flop_terms(model, ratio), ratio
+    assert forward_flops(get_preset("MoH-DiT-S/2-90", sample_size=16), 0.75) == forward_flops(
+        meta_model("MoH-DiT-S/2-90", sample_size=16), 0.75)
+    for source in (model, config):
+        with pytest.raises(ValueError, match="reachable range"):
+            forward_flops(source, 0.5)
     with pytest.raises(ValueError, match="dense DiT always runs at head activation ratio 1.0"):
         forward_flops(get_preset("DiT-B/2"), 0.5)
     assert forward_flops(get_preset("DiT-B/2"), 1.0) == forward_flops(get_preset("DiT-B/2"))
@@ -165,3 +173,14 @@ def test_training_flops_are_three_forwards_on_the_dense_masked_path():
     moh = get_preset("MoH-DiT-XL/2-90")
     # training computes every head (dense-masked), so the count is at ratio 1.0, routers included
     assert speed.training_flops_per_image(moh) == 3 * forward_flops(moh, ratio=1.0) > 3 * forward_flops(moh)
+
+
+def test_measuring_the_matmul_peak_leaves_the_global_random_stream_alone():
+    """Training measures the peak at the start of a run; drawing from the global generator
+    there would change every fresh run's noise, timesteps and so its weights."""
+    from moh_dit.speed import measure_matmul_flops
+
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    assert measure_matmul_flops("cpu", size=64, repeats=1) > 0
+    assert torch.equal(torch.get_rng_state(), before)
