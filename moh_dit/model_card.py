@@ -41,6 +41,7 @@ _RECIPE = (  # train_config.json key, row label
     ("image_size", "image size"), ("vae", "VAE"), ("seed", "seed"),
 )
 _METRICS = (("fid", "FID"), ("sfid", "sFID"), ("inception_score", "IS"), ("precision", "precision"), ("recall", "recall"))
+_CLASS_ACCURACY = (("class_accuracy", "class accuracy"),)  # only when a classifier measured it
 
 
 def _layout(config: dict[str, Any]) -> tuple[list[int], list[int] | None, list[int] | None]:
@@ -127,8 +128,9 @@ def _recipe_section(record: dict[str, Any] | None) -> list[str]:
 def _metrics_section(metrics: dict[str, Any] | None) -> list[str]:
     if not metrics:
         return []
-    header = [label for key, label in _METRICS]
-    lines = ["## Evaluation", "", *_table(header, [[_number(metrics.get(key)) for key, _ in _METRICS]]), ""]
+    columns = _METRICS + (_CLASS_ACCURACY if metrics.get("class_accuracy") is not None else ())
+    header = [label for key, label in columns]
+    lines = ["## Evaluation", "", *_table(header, [[_number(metrics.get(key)) for key, _ in columns]]), ""]
     facts = [f"{metrics['num_samples']:,} samples" if isinstance(metrics.get("num_samples"), int) else None,
              f"reference `{metrics['reference']}`" if metrics.get("reference") else None,
              f"features: {metrics['extractor']}" if metrics.get("extractor") else None]
@@ -143,12 +145,13 @@ def _sweep_section(sweep: dict[str, Any] | None) -> list[str]:
     if not sweep:
         return []
     settings = sweep.get("settings", {})
+    columns = _METRICS + (_CLASS_ACCURACY if any(r.get("class_accuracy") is not None for r in sweep["rows"]) else ())
     rows = []
     for row in sweep["rows"]:
-        rows.append((row.get("ratio"), _number(row.get("realised_ratio")), *(_number(row.get(k)) for k, _ in _METRICS),
+        rows.append((row.get("ratio"), _number(row.get("realised_ratio")), *(_number(row.get(k)) for k, _ in columns),
                      _number(row.get("attention_flop_ratio"), 3),
                      _number(row["sampling_seconds"] / row["num_samples"], 3) if row.get("num_samples") else "-"))
-    header = ("ratio", "realised", *(label for _, label in _METRICS), "attention FLOPs vs dense", "s / image")
+    header = ("ratio", "realised", *(label for _, label in columns), "attention FLOPs vs dense", "s / image")
     what = [f"{settings[k]} {label}" for k, label in (("num_samples", "samples per ratio"),
             ("num_inference_steps", "sampling steps"), ("guidance_scale", "guidance scale")) if k in settings]
     lines = ["## Head-activation sweep", "", "The same seeds and labels sampled at each head activation ratio"

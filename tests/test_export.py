@@ -211,6 +211,18 @@ def test_model_card(exported):
     assert "transformer/transformer_moh_dit.py" in text
 
 
+def test_model_card_shows_class_accuracy_when_measured():
+    from moh_dit import model_card
+
+    row = dict(ratio="trained", realised_ratio=0.75, fid=1.0, sfid=2.0, inception_score=None, precision=0.5,
+               recall=0.25, attention_flop_ratio=0.85, sampling_seconds=4.0, num_samples=8)
+    without = "\n".join(model_card._sweep_section({"settings": {}, "rows": [row]}))
+    with_accuracy = "\n".join(model_card._sweep_section({"settings": {}, "rows": [dict(row, class_accuracy=0.95)]}))
+    assert "class accuracy" not in without and "class accuracy" in with_accuracy and "| 0.95 |" in with_accuracy
+    metrics = dict(fid=1.0, sfid=2.0, inception_score=3.0, precision=0.5, recall=0.25, class_accuracy=0.9)
+    assert "class accuracy" in "\n".join(model_card._metrics_section(metrics))
+
+
 def test_overwrite_replaces_only_an_export(exported, tmp_path):
     out = export_pipeline(exported, tmp_path / "again", variant="bf16", progress=False)
     assert (out / "vae" / "diffusion_pytorch_model.bf16.safetensors").is_file()
