@@ -23,6 +23,7 @@ import sys
 
 from moh_dit.cli import EXPECTED_ERRORS, run_cli
 from moh_dit.presets import PRESETS
+from moh_dit.speed import COMPILE_MODES
 from moh_dit.training import TrainConfig, TrainingDivergedError, preflight, train
 
 
@@ -62,6 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ema-decay", type=float, default=0.9999)
     p.add_argument("--class-dropout", type=float, default=0.1, help="label dropout for classifier-free guidance")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the transformer (the first steps take longer while it compiles; checkpoints "
+                        "are the same as without it, so a run may resume with or without the flag)")
+    p.add_argument("--compile-per-block", action="store_true",
+                   help="with --compile: compile each transformer block instead of the whole model (compiles faster)")
+    p.add_argument("--compile-mode", choices=list(COMPILE_MODES), default=None,
+                   help="with --compile: torch.compile's mode (default: torch's default)")
     p.add_argument("--num-workers", type=int, default=4)
     p.add_argument("--on-corrupt", choices=["error", "skip"], default="error",
                    help="unreadable images: stop with the file name (default) or skip and count them")
@@ -87,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         num_workers=args.num_workers, on_corrupt=args.on_corrupt, random_flip=not args.no_flip,
         log_every=args.log_every, sample_every=args.sample_every, sample_steps=args.sample_steps,
         report_to=args.report_to, init_from=args.init_from, router_warmup_steps=args.router_warmup_steps,
+        compile=args.compile, compile_per_block=args.compile_per_block, compile_mode=args.compile_mode,
     )
 
 

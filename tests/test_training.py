@@ -554,6 +554,9 @@ NAN, INF = "nan", "inf"
     (["--init-from", "{tmp}", "--resume", "latest"], r"--init-from.*--resume.*give one"),
     (["--router-warmup-steps", -1], r"--router-warmup-steps.*-1"),
     (["--preset", "DiT-Tiny", "--router-warmup-steps", 2], r"dense DiT without routers"),
+    (["--compile-mode", "default", "--compile-per-block"], r"--compile-per-block and --compile-mode set how --compile"),
+    (["--compile-mode", "max-autotune"], r"add --compile or drop them"),
+    (["--compile", "--compile-mode", "fastest"], r"--compile-mode: invalid choice"),
 ])
 def test_every_bad_flag_is_refused_before_any_work(bad_inputs, data, refuses, flags, match):
     tmp = bad_inputs

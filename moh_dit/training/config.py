@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..presets import PRESETS
+from ..speed import COMPILE_MODES
 
 DIFFUSION_STEPS = 1000
 
@@ -59,6 +60,9 @@ class TrainConfig:
     model_overrides: dict[str, Any] = field(default_factory=dict)
     init_from: str | None = None  # a saved model folder: a new run starts from its weights
     router_warmup_steps: int = 0  # only router parameters train for the first N steps
+    compile: bool = False  # torch.compile the transformer (in place: checkpoints keep its keys)
+    compile_per_block: bool = False  # compile each block instead of the whole forward (shorter compile)
+    compile_mode: str | None = None  # torch.compile's mode (moh_dit.speed.COMPILE_MODES); None: its default
 
     def validate(self, num_processes: int | None = None) -> None:
         """Every check that needs no data or model, so bad input fails before any work and
@@ -123,6 +127,15 @@ class TrainConfig:
         if self.resume not in (None, "latest") and not Path(self.resume).is_dir():
             raise ValueError(f"--resume {self.resume!r} is neither 'latest' nor an existing checkpoint folder.")
         self._validate_init()
+        self._validate_compile()
+
+    def _validate_compile(self) -> None:
+        """--compile, --compile-per-block and --compile-mode."""
+        if (self.compile_per_block or self.compile_mode is not None) and not self.compile:
+            raise ValueError("--compile-per-block and --compile-mode set how --compile compiles; add --compile "
+                             "or drop them.")
+        if self.compile_mode is not None and self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"--compile-mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}.")
 
     def _validate_init(self) -> None:
         """--init-from and --router-warmup-steps."""

@@ -24,7 +24,7 @@ from ..io_utils import publish_folder
 from ..latents import LatentDataset, load_vae, vae_downsample_factor
 from ..presets import resolve_layer_layout
 from ..runtime import set_tf32
-from ..speed import peak_flops, training_flops_per_image
+from ..speed import compile_model, peak_flops, training_flops_per_image
 from ..transformer_moh_dit import MoHDiTTransformer2DModel
 from .checkpoints import Parts, TrainState, load_checkpoint
 from .config import TrainConfig
@@ -218,6 +218,8 @@ def _prepare_training(cfg: TrainConfig, accelerator, model, data: _Data, space: 
         model.enable_gradient_checkpointing()
     ema = copy.deepcopy(model).to(accelerator.device).requires_grad_(False).eval()
     model.train()
+    if cfg.compile:  # in place, after the EMA copy: state-dict keys stay the model's own
+        compile_model(model, mode=cfg.compile_mode, per_block=cfg.compile_per_block)
     diffusion = create_diffusion()
     # The fused kernel (one launch for all parameters) where the device has it; else torch's default.
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
