@@ -9,8 +9,9 @@ are not), which is what ``torch.utils.flop_counter.FlopCounterMode`` and the DiT
 GFLOPs (multiply-adds, so half these numbers) count.
 
 ``sparse_attention.ideal_flop_ratio`` and the sweep's FLOP columns (``moh_dit.sweep``) are
-computed here. This module imports only ``presets`` and ``head_activation`` from the package
-(no model code), so the model's own modules may use it.
+computed here. This module imports only ``presets``, ``head_activation`` and ``head_layout``
+from the package (no model code), so the model's own modules may use it; a config dict is
+counted at any ratio with the model's top-K rule (``head_layout.top_k_for_ratio``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
 from .head_activation import preview_head_activation
+from .head_layout import top_k_for_ratio
 from .presets import resolve_layer_layout
 
 __all__ = [
@@ -111,13 +113,8 @@ def _top_k_at(config_or_model: Mapping[str, Any] | Any, layout: _Layout, ratio: 
         return layout.current_top_k
     if not isinstance(config_or_model, Mapping):
         return preview_head_activation(config_or_model, ratio)[1]  # the model's own allocation rule
-    if abs(ratio - 1.0) <= 1e-9:
-        return [h - s for h, s in zip(layout.heads, layout.shared)]  # every head active
-    raise ValueError(
-        f"ratio={ratio} on a config dict: the per-layer top-K of a ratio other than the trained one or 1.0 follows the "
-        "model's allocation rule (top_k_for_ratio); pass the model instead, e.g. "
-        "MoHDiTTransformer2DModel(**config) (on torch.device('meta') it costs no memory)."
-    )
+    # The model's own allocation rule, from the layout alone (the model uses the same function).
+    return top_k_for_ratio(layout.heads, layout.shared, layout.trained_top_k, float(ratio))
 
 
 def _active_heads(layout: _Layout, top_k: Sequence[int] | None) -> list[int]:
@@ -164,7 +161,8 @@ def forward_flop_terms(
     """The FLOPs of one forward pass of ``batch`` images, by part (docs/flops.md).
 
     ``ratio``: the head-weighted activation ratio, resolved to per-layer top-K by the model's
-    rule (``set_head_activation_ratio``; the model is left as it was); None: the model's
+    rule (``head_layout.top_k_for_ratio``, which ``set_head_activation_ratio`` uses; a model
+    is left as it was), for a model or a config dict alike; None: the model's
     current setting, or a config dict's trained layout. Each layer's attention is counted at
     its head-sparse ideal (:func:`attention_flops` at its active fraction ``(hs + K) / h``).
     Keys: ``patch_embedding``, ``timestep_embedding``, ``adaln_modulation`` (every block's and

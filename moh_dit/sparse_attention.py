@@ -53,6 +53,7 @@ from .flops import attention_flops
 __all__ = [
     "MoHRouting",
     "dense_masked_attention",
+    "attend",
     "skips_at_density",
     "Projections",
     "SelectionPlan",
@@ -105,6 +106,22 @@ class MoHRouting:
     head_usage: torch.Tensor | None  # (h,) fraction of tokens that used each head
 
 
+def attend(attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: MoHRouting | None,
+            batch: int, tokens: int) -> torch.Tensor:
+    """SDPA over every head of (B, N, h d) projections, the gates, the output projection."""
+    heads, head_dim = attn.heads, attn.inner_dim // attn.heads
+    q = q.view(batch, tokens, heads, head_dim).transpose(1, 2)  # (B, h, N, d)
+    k = k.view(batch, tokens, heads, head_dim).transpose(1, 2)  # (B, h, N, d)
+    v = v.view(batch, tokens, heads, head_dim).transpose(1, 2)  # (B, h, N, d)
+    out = F.scaled_dot_product_attention(q, k, v)  # (B, h, N, d)
+    out = out.transpose(1, 2)  # (B, N, h, d)
+    if routing is not None:
+        out = out * routing.gates.unsqueeze(-1).to(out.dtype)  # (B, N, h, d)
+    out = out.reshape(batch, tokens, heads * head_dim)  # (B, N, h*d)
+    out = attn.to_out[0](out)  # (B, N, D)
+    return attn.to_out[1](out)
+
+
 def dense_masked_attention(attn: Any, hidden_states: torch.Tensor, routing: MoHRouting | None = None) -> torch.Tensor:
     """Every head computed (SDPA), then each head's output multiplied by its gate before the
     output projection (zero for unselected routed heads): the release's computation and
@@ -115,17 +132,8 @@ def dense_masked_attention(attn: Any, hidden_states: torch.Tensor, routing: MoHR
     modules are called, so wrapped projections such as LoRA layers take part).
     """
     batch, tokens, _ = hidden_states.shape
-    heads, head_dim = attn.heads, attn.inner_dim // attn.heads
-    q = attn.to_q(hidden_states).view(batch, tokens, heads, head_dim).transpose(1, 2)  # (B, h, N, d)
-    k = attn.to_k(hidden_states).view(batch, tokens, heads, head_dim).transpose(1, 2)  # (B, h, N, d)
-    v = attn.to_v(hidden_states).view(batch, tokens, heads, head_dim).transpose(1, 2)  # (B, h, N, d)
-    out = F.scaled_dot_product_attention(q, k, v)  # (B, h, N, d)
-    out = out.transpose(1, 2)  # (B, N, h, d)
-    if routing is not None:
-        out = out * routing.gates.unsqueeze(-1).to(out.dtype)  # (B, N, h, d)
-    out = out.reshape(batch, tokens, heads * head_dim)  # (B, N, h*d)
-    out = attn.to_out[0](out)  # (B, N, D)
-    return attn.to_out[1](out)
+    q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)  # (B, N, h d) each
+    return attend(attn, q, k, v, routing, batch, tokens)
 
 
 def skips_at_density(top_k: int, routed: int, dense_above: float) -> bool:

@@ -1,10 +1,11 @@
 """MoH-DiT: a class-conditional Diffusion Transformer with Mixture-of-Head attention.
 
-Reading order: head-activation rules, the head-sparse policy, attention processor,
-``MoHAttention``, ``MoHDiTBlock``, ``MoHDiTTransformer2DModel``. The routing result
-(``MoHRouting``) and the attention computations (dense-masked and head-sparse) live in
-``sparse_attention.py``, which this module imports from and which never imports it back;
-both are re-exported here. Shared pieces come from diffusers: ``Attention`` (projections
+Reading order: the head-sparse policy, attention processor, ``MoHAttention``,
+``MoHDiTBlock``, ``MoHDiTTransformer2DModel``. The routing result (``MoHRouting``) and the
+attention computations (dense-masked and head-sparse) live in ``sparse_attention.py``, the
+gate arithmetic and the fused QKV + router GEMM in ``moh_routing.py``, the top-K-for-ratio
+rule in ``head_layout.py``; this module imports from them, they never import it back, and
+``MoHRouting``, ``min_top_k`` and ``top_k_for_ratio`` are re-exported here. Shared pieces come from diffusers: ``Attention`` (projections
 and the processor mechanism), ``PatchEmbed``, ``AdaLayerNormZero``, ``FeedForward``,
 ``Timesteps`` / ``TimestepEmbedding`` / ``LabelEmbedding``.
 
@@ -15,9 +16,8 @@ printed. Heads ``0..hs-1`` of each layer are shared (always on), heads ``hs..h-1
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,8 @@ from torch import nn
 
 from .presets import get_preset, resolve_layer_layout
 from .sparse_attention import STRATEGIES as SPARSE_STRATEGIES
+from .head_layout import min_top_k, top_k_for_ratio
+from .moh_routing import ROUTERS, fusable, fused_dense_masked_attention, route_from_logits
 from .sparse_attention import MoHRouting, MoHSparseAttnProcessor, dense_masked_attention, skips_at_density
 
 __all__ = [
@@ -47,60 +49,6 @@ __all__ = [
 ]
 
 GATE_MODES = ("release", "paper")
-
-
-# --------------------------------------------------------------------------------------
-# Head activation
-# --------------------------------------------------------------------------------------
-
-
-def min_top_k(heads: int, shared: int) -> int:
-    """The smallest routed top-K a layer may use: a layer without shared heads keeps one
-    routed head so that it still attends; any other layer may drop to K = 0."""
-    return 1 if shared == 0 and heads > shared else 0
-
-
-def top_k_for_ratio(
-    heads: Sequence[int], shared: Sequence[int], trained_top_k: Sequence[int], ratio: float
-) -> list[int]:
-    """Per-layer routed top-K that realises the head-weighted activation ``ratio``.
-
-    The rule: the number of active heads is ``round(ratio * sum(h))`` (the closest any
-    layout can get). Shared heads always stay on. Starting from the trained top-K, routed
-    heads are added (ratio above the trained one) in proportion to each layer's unused
-    routed heads, or removed (ratio below) in proportion to each layer's removable ones,
-    with largest-remainder rounding (ties to the earlier layer). The trained ratio gives
-    back exactly the trained top-K; a layer with no shared head keeps at least one routed
-    head so that it still attends.
-    """
-    total = sum(heads)
-    routed = [h - s for h, s in zip(heads, shared)]
-    k_min = [min_top_k(h, s) for h, s in zip(heads, shared)]
-    lowest = (sum(shared) + sum(k_min)) / total
-    if not (lowest - 1e-9 <= ratio <= 1.0 + 1e-9):
-        raise ValueError(
-            f"head_activation_ratio={ratio} is outside the reachable range [{lowest:.4f}, 1.0] of this model "
-            "(shared heads are always active; layers without shared heads keep one routed head)."
-        )
-    wanted = math.floor(ratio * total + 0.5) - sum(shared)
-    wanted = min(max(wanted, sum(k_min)), sum(routed))
-    base = list(trained_top_k)
-    if wanted >= sum(base):
-        room = [r - b for r, b in zip(routed, base)]
-        change, sign = wanted - sum(base), 1
-    else:
-        room = [b - m for b, m in zip(base, k_min)]
-        change, sign = sum(base) - wanted, -1
-    if change == 0:
-        return base
-    capacity = sum(room)
-    quotas = [change * r / capacity for r in room]
-    alloc = [math.floor(q) for q in quotas]
-    leftover = change - sum(alloc)
-    order = sorted(range(len(room)), key=lambda i: (-(quotas[i] - alloc[i]), i))
-    for i in order[:leftover]:
-        alloc[i] += 1
-    return [b + sign * a for b, a in zip(base, alloc)]
 
 
 # --------------------------------------------------------------------------------------
@@ -208,6 +156,7 @@ class MoHAttention(Attention):
         self.sparse_processor = MoHSparseAttnProcessor()
         self.sparse_inference: bool | None = None
         self.sparse_policy = SparseInferencePolicy()
+        self.fused_projections = True  # dense-masked path: QKV and routers as one GEMM (same weights, same keys)
 
     def route(self, x: torch.Tensor, need_stats: bool = False) -> MoHRouting | None:
         """Gates of every head for every token of ``x`` (B, N, D); None for a dense layer.
@@ -217,47 +166,12 @@ class MoHAttention(Attention):
         times ``a_0`` and routed times ``a_1`` where ``a = 2 * softmax(W_h x)``. A single
         shared head gets a constant gate of 1 (the release crashes there). ``paper`` mode
         drops the K, hs and 2 factors and the top-K renormalisation (paper Eq. 5-6).
-        Router softmaxes run in float32 whatever the compute dtype.
+        Router softmaxes run in float32 whatever the compute dtype (``moh_routing.route_from_logits``).
         """
         if not self.is_moh:
             return None
-        release = self.gate_mode == "release"
-        batch, tokens, _ = x.shape
-        hs, routed = self.num_shared_heads, self.num_routed_heads
-        parts = []
-        if hs > 1:
-            shared = self.router_shared(x).softmax(dim=-1, dtype=torch.float32)  # (B, N, hs)
-            parts.append(shared * hs if release else shared)
-        elif hs == 1:
-            parts.append(x.new_ones(batch, tokens, 1, dtype=torch.float32))
-        routed_index = routed_gates = lb_loss = usage_routed = None
-        if routed:
-            k = self.top_k
-            probs = self.router_routed(x).softmax(dim=-1, dtype=torch.float32)  # (B, N, E)
-            top_p, routed_index = probs.topk(k, dim=-1)  # (B, N, K)
-            if release:
-                routed_gates = k * top_p / top_p.sum(dim=-1, keepdim=True)
-            else:
-                routed_gates = top_p
-            if hs > 0:
-                mix = self.router_mix(x).softmax(dim=-1, dtype=torch.float32)  # (B, N, 2)
-                if release:
-                    mix = mix * 2
-                parts[0] = parts[0] * mix[..., :1]
-                routed_gates = routed_gates * mix[..., 1:]
-            parts.append(torch.zeros_like(probs).scatter(-1, routed_index, routed_gates))  # (B, N, E)
-            if need_stats:
-                # f_i: fraction of tokens whose top-K holds routed head i (no gradient);
-                # P_i: mean router probability (carries the gradient). l = E * sum_i P_i f_i.
-                selected = torch.zeros_like(probs).scatter(-1, routed_index, 1.0)
-                usage_routed = selected.mean(dim=(0, 1))  # (E,)
-                lb_loss = routed * (probs.mean(dim=(0, 1)) * usage_routed).sum()
-        gates = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]  # (B, N, h)
-        usage = None
-        if need_stats:
-            shared_usage = x.new_ones(hs, dtype=torch.float32)
-            usage = shared_usage if usage_routed is None else torch.cat([shared_usage, usage_routed])
-        return MoHRouting(gates, routed_index, routed_gates, lb_loss, usage)
+        logits = {name: getattr(self, name)(x) for name in ROUTERS if getattr(self, name) is not None}
+        return route_from_logits(self, x, logits, need_stats)
 
     def uses_sparse_processor(self, tokens: int | None = None, device: torch.device | None = None) -> bool:
         """Whether a forward call on ``tokens`` tokens on ``device`` skips heads, i.e. runs
@@ -296,8 +210,10 @@ class MoHAttention(Attention):
         )
 
     def forward(self, hidden_states: torch.Tensor, need_stats: bool = False) -> tuple[torch.Tensor, MoHRouting | None]:
-        routing = self.route(hidden_states, need_stats)
         sparse = self.uses_sparse_processor(hidden_states.shape[1], hidden_states.device)
+        if not sparse and self.fused_projections and type(self.processor) is MoHAttnProcessor and fusable(self):
+            return fused_dense_masked_attention(self, hidden_states, need_stats)  # one GEMM: QKV and routers
+        routing = self.route(hidden_states, need_stats)
         processor = self.sparse_processor if sparse else self.processor
         return processor(self, hidden_states, routing=routing), routing
 

@@ -442,3 +442,97 @@ def test_ideal_flop_ratio():
     # dense per token: 8 D Din + 4 N Din; sparse at r = 0.5: 6 D Din + 2 N Din
     assert ideal_flop_ratio(1024, 1152, 1152, 0.5) == pytest.approx((6 * 1152 + 2 * 1024) / (8 * 1152 + 4 * 1024))
     assert ideal_flop_ratio(256, 768, 768, 0.0) == pytest.approx(4 * 768 / (8 * 768 + 4 * 256))  # K, V only
+
+
+# --------------------------------------------------------------------------------------
+# The fused QKV + router GEMM (moh_dit.moh_routing)
+# --------------------------------------------------------------------------------------
+
+
+def _fused_and_separate(attn, x, need_stats):
+    """(output, routing, gradients) of one forward + backward with and without the fused GEMM."""
+    results = []
+    for fused in (True, False):
+        attn.fused_projections = fused
+        attn.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out, routing = attn(xi, need_stats)
+        loss = out.square().sum() + (routing.load_balance_loss if routing is not None and need_stats
+                                     and routing.load_balance_loss is not None else 0)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in attn.named_parameters()}
+        results.append((out.detach(), routing, grads, xi.grad))
+    return results
+
+
+@pytest.mark.parametrize("heads, shared, k, gate_mode", [
+    (6, 2, 2, "release"), (6, 0, 3, "release"), (6, 1, 2, "release"), (4, 4, 0, "release"),
+    (6, 2, 2, "paper"), (4, None, None, "release"),  # the last one: a dense layer (QKV fused alone)
+])
+def test_fused_projection_equals_separate_linears_with_gradients(heads, shared, k, gate_mode):
+    torch.manual_seed(0)
+    attn = MoHAttention(48, heads, 8, shared, k, gate_mode).train()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    x = torch.randn(2, 10, 48)
+    (out_f, rt_f, g_f, xg_f), (out_s, rt_s, g_s, xg_s) = _fused_and_separate(attn, x, need_stats=True)
+    def close(a, b):  # float32 rounding, relative to the tensor's scale
+        return (a - b).abs().max() <= 1e-5 * b.abs().max().clamp_min(1e-6)
+
+    assert close(out_f, out_s) and close(xg_f, xg_s)
+    # against the largest gradient: to_k's bias has a zero gradient in exact arithmetic (a
+    # softmax does not see a shift of every key's score), so both paths give rounding noise there
+    scale = max(g.abs().max() for g in g_s.values())
+    assert set(g_f) == set(g_s) and all((g_f[n] - g_s[n]).abs().max() <= 1e-5 * scale for n in g_s)
+    if shared is not None:
+        assert torch.allclose(rt_f.gates, rt_s.gates, atol=1e-6)
+        assert torch.equal(rt_f.head_usage, rt_s.head_usage)
+        if rt_s.load_balance_loss is not None:
+            assert torch.allclose(rt_f.load_balance_loss, rt_s.load_balance_loss, atol=1e-6)
+
+
+def test_fused_path_is_taken_and_wrapped_projections_fall_back(monkeypatch):
+    import moh_dit.transformer_moh_dit as tm
+
+    calls = []
+    real = tm.fused_dense_masked_attention
+    monkeypatch.setattr(tm, "fused_dense_masked_attention", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    torch.manual_seed(0)
+    attn = MoHAttention(48, 6, 8, 2, 2).eval()
+    x = torch.randn(2, 10, 48)
+    with torch.no_grad():
+        attn.sparse_inference = False
+        expected, _ = attn(x)
+    assert calls == [1]
+
+    class Wrapped(torch.nn.Linear):  # what a LoRA layer looks like to the model: not a plain Linear
+        pass
+
+    wrapped = Wrapped(48, 48)
+    wrapped.load_state_dict(attn.to_q.state_dict())
+    attn.to_q = wrapped
+    with torch.no_grad():
+        out, _ = attn(x)
+    assert calls == [1] and torch.allclose(out, expected, atol=1e-5)
+
+
+def test_cached_fused_weight_follows_weight_changes():
+    """In no-grad inference the stacked weight is cached; any change to a weight (in place,
+    load_state_dict, a dtype move) is seen on the next call."""
+    torch.manual_seed(0)
+    attn = MoHAttention(48, 6, 8, 2, 2).eval()
+    attn.sparse_inference = False
+    x = torch.randn(2, 10, 48)
+    with torch.no_grad():
+        first, _ = attn(x)
+        attn.router_routed.weight.mul_(-3.0)
+        attn.to_v.bias.add_(1.0)
+        changed, _ = attn(x)
+        attn.fused_projections = False
+        reference, _ = attn(x)
+    assert not torch.allclose(first, changed) and torch.allclose(changed, reference, atol=1e-5)
+    attn.fused_projections = True
+    attn.to(torch.float64)
+    with torch.no_grad():
+        assert attn(x.double())[0].dtype == torch.float64
