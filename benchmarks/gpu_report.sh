@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks in one go (a few minutes on one H200):
+# The GPU report in one go, within 8 minutes on one H200 (the step limits add up to 460 s):
 #   1. tests/test_cuda.py (head-sparse strategies vs dense-masked in fp32 and bf16, no host
-#      sync in the packed path or a sampling forward, GPU vs CPU outputs, bf16 training steps);
-#   2. benchmarks/benchmark_attention.py at batch 8 (the issue's table) and batch 32;
-#   3. benchmarks/benchmark_model.py: DiT-XL/2 forward (bf16) and training step (bf16 autocast)
-#      against diffusers' DiT;
-#   4. a short scripts/train.py run on the demo shapes (accelerate, bf16), for steps/s.
+#      sync in the packed path, a sampling forward or a training step, GPU vs CPU outputs);
+#   2. benchmarks/speed_report.py train: DiT-XL/2, MoH-DiT-XL/2-90 and -75 at the largest batch
+#      that fits, bf16 autocast, eager and compiled per block: ms/step, images/s, MFU;
+#   3. benchmarks/speed_report.py sample: MoH-DiT-XL/2-90, 256 px, 250 DDPM steps with guidance,
+#      eager and compiled: images/s (and the hours 50K images take at that rate);
+#   4. benchmarks/speed_report.py forward: MoH-DiT-XL/2-90 vs DiT-XL/2 forward at the trained
+#      ratio, bf16, eager and compiled.
 #
 #   bash benchmarks/gpu_report.sh OUT_DIR
 #
 # Needs torch with CUDA, diffusers and an installed moh-dit (`pip install -e .` in this
 # repository): every step runs against the installed package, from OUT_DIR, so it can be
-# started from any folder. Everything printed also goes to OUT_DIR/gpu_report.log, and each
-# benchmark writes its JSON next to it. Steps run one after another, each under a time
-# limit; a failing or timed-out step is reported and the next one runs.
+# started from any folder. Everything printed also goes to OUT_DIR/gpu_report.log; each
+# section writes OUT_DIR/speed_SECTION.json and .md as its rows are measured, and the tables
+# are joined into OUT_DIR/speed_report.md at the end. Steps run one after another, each under
+# a time limit; a failing or timed-out step is reported (its finished rows kept) and the next
+# one runs.
 set -u
 out=${1:?usage: bash benchmarks/gpu_report.sh OUT_DIR}
 mkdir -p "$out"
@@ -28,8 +32,6 @@ if ! python3 -c "import moh_dit, moh_dit.pipelines, moh_dit.assets" 2>/dev/null;
 fi
 log="$out/gpu_report.log"
 : > "$log"
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 
 step() {  # step NAME LIMIT_SECONDS COMMAND...
     local name=$1 limit=$2 start rc
@@ -46,15 +48,19 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
     python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__)"
 } 2>&1 | tee -a "$log"
 
-step tests 150 python3 -m pytest -q -p no:cacheprovider "$root/tests/test_cuda.py"
-step attention_b8 150 python3 "$root/benchmarks/benchmark_attention.py" --json "$out/attention_b8.json" --markdown
-step attention_b32 90 python3 "$root/benchmarks/benchmark_attention.py" --batch-size 32 --tokens 1024 --no-model \
-    --json "$out/attention_b32.json" --markdown
-step model_forward 120 python3 "$root/benchmarks/benchmark_model.py" --size XL --batch-size 32 --dtype bfloat16 \
-    --repeats 15 --json "$out/model_xl_forward.json"
-step model_train 120 python3 "$root/benchmarks/benchmark_model.py" --size XL --batch-size 32 --train --autocast bf16 \
-    --repeats 7 --json "$out/model_xl_train.json"
-step demo_data 30 python3 "$root/scripts/make_demo_dataset.py" --output-dir "$work/data" --images-per-class 64
-step train 90 python3 "$root/scripts/train.py" --preset MoH-DiT-Tiny --data-dir "$work/data" --vae none --image-size 32 \
-    --output-dir "$work/run" --max-steps 300 --global-batch-size 256 --learning-rate 1e-3 --mixed-precision bf16 \
-    --log-every 100 --checkpoint-every 300
+step tests 80 python3 -m pytest -q -p no:cacheprovider "$root/tests/test_cuda.py"
+for section in train sample forward; do
+    case $section in train) limit=200 ;; sample) limit=120 ;; forward) limit=60 ;; esac
+    step "speed_$section" "$limit" python3 "$root/benchmarks/speed_report.py" "$section" \
+        --json "$out/speed_$section.json" --markdown "$out/speed_$section.md"
+done
+{
+    echo "# Speed report"
+    echo
+    echo "commit $(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown); every number below was measured in this run."
+    for section in train sample forward; do
+        echo
+        if [ -f "$out/speed_$section.md" ]; then cat "$out/speed_$section.md"; else echo "## $section: no rows (see gpu_report.log)"; fi
+    done
+} > "$out/speed_report.md"
+echo "== report: $out/speed_report.md" | tee -a "$log"

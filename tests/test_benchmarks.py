@@ -189,7 +189,9 @@ def test_gpu_report_runs_every_step_from_any_folder(tmp_path):
     assert done.returncode == 0, done.stderr
     out = elsewhere / "report"
     steps = calls.read_text().splitlines()
-    assert [line.split()[0] for line in steps] == ["150", "150", "90", "120", "120", "30", "90"]
+    limits = [int(line.split()[0]) for line in steps]
+    assert limits == [80, 200, 120, 60] and sum(limits) <= 480  # the report fits in 8 minutes
+    assert [line.split()[3] for line in steps[1:]] == ["train", "sample", "forward"]
     for line in steps:
         words = line.split()
         assert words[1] == "python3"
@@ -199,7 +201,9 @@ def test_gpu_report_runs_every_step_from_any_folder(tmp_path):
             if word.endswith(".json"):
                 assert Path(word).parent == out, line
     log = (out / "gpu_report.log").read_text()
-    assert log.count(": exit 0 after") == 7 and "name, driver_version" in log
+    assert log.count(": exit 0 after") == 4 and "name, driver_version" in log
+    report = (out / "speed_report.md").read_text()  # the fake steps wrote no rows: each section says so
+    assert report.startswith("# Speed report") and report.count("no rows (see gpu_report.log)") == 3
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp.")]  # the training data is gone
 
 
@@ -214,3 +218,29 @@ def test_gpu_report_needs_the_installed_package(tmp_path):
     assert done.returncode == 1
     assert "pip install -e" in done.stderr
     assert not (tmp_path / "report" / "gpu_report.log").exists()
+
+
+@pytest.mark.parametrize("section", ["train", "sample", "forward"])
+def test_speed_report_sections_run_at_toy_sizes(tmp_path, section):
+    """benchmarks/speed_report.py's CPU path (the code the GPU report runs, at toy sizes and
+    eager: tests/test_compile.py covers compiled models): rows with positive speeds, JSON and
+    markdown written."""
+    done = run_tool("speed_report", [section, "--tiny", "--no-compile", "--device", "cpu", "--json",
+                                     str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md")], tmp_path)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    rows = report["rows"]
+    assert report["section"] == section and rows and all(row.get("compiled") is False for row in rows)
+    if section == "train":
+        assert [r["model"] for r in rows] == ["DiT-Tiny", "MoH-DiT-Tiny"] and all(r["batch"] == 8 for r in rows)
+        assert all(finite_positive(r["ms_per_step"], r["images_per_sec"], r["mfu"]) for r in rows)
+    elif section == "sample":
+        assert finite_positive(rows[0]["images_per_sec"], rows[0]["hours_for_50k_at_this_rate"])
+    else:
+        assert finite_positive(rows[0]["moh_over_dense"], rows[0]["DiT-Tiny ms"], rows[0]["MoH-DiT-Tiny ms"])
+    assert (tmp_path / "r.md").read_text().startswith(f"## {section} (")
+
+
+def test_speed_report_full_size_needs_a_gpu(tmp_path):
+    done = run_tool("speed_report", ["train", "--device", "cpu"], tmp_path)
+    assert done.returncode != 0 and "needs a CUDA device" in done.stderr and "--tiny" in done.stderr
