@@ -156,7 +156,10 @@ class MoHAttention(Attention):
         self.sparse_processor = MoHSparseAttnProcessor()
         self.sparse_inference: bool | None = None
         self.sparse_policy = SparseInferencePolicy()
-        self.fused_projections = True  # dense-masked path: QKV and routers as one GEMM (same weights, same keys)
+        # Dense-masked path: QKV and routers as one GEMM (same weights, same keys). None: fused on
+        # CUDA, where one launch instead of four is what pays; elsewhere the separate linears,
+        # which keep CPU results (the demo's documented numbers) bit-identical. True/False force it.
+        self.fused_projections: bool | None = None
 
     def route(self, x: torch.Tensor, need_stats: bool = False) -> MoHRouting | None:
         """Gates of every head for every token of ``x`` (B, N, D); None for a dense layer.
@@ -211,7 +214,8 @@ class MoHAttention(Attention):
 
     def forward(self, hidden_states: torch.Tensor, need_stats: bool = False) -> tuple[torch.Tensor, MoHRouting | None]:
         sparse = self.uses_sparse_processor(hidden_states.shape[1], hidden_states.device)
-        if not sparse and self.fused_projections and type(self.processor) is MoHAttnProcessor and fusable(self):
+        fused = hidden_states.is_cuda if self.fused_projections is None else self.fused_projections
+        if not sparse and fused and type(self.processor) is MoHAttnProcessor and fusable(self):
             return fused_dense_masked_attention(self, hidden_states, need_stats)  # one GEMM: QKV and routers
         routing = self.route(hidden_states, need_stats)
         processor = self.sparse_processor if sparse else self.processor

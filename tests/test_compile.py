@@ -59,7 +59,10 @@ def test_compiled_training_per_block_with_checkpointing_matches_eager(tmp_path):
     ckpt = "checkpoints/step-0000002/model.safetensors"
     eager, compiled = load_file(tmp_path / "eager" / ckpt), load_file(tmp_path / "compiled" / ckpt)
     assert list(compiled) == list(eager) and not any("_orig_mod" in k for k in compiled)
-    assert all(torch.allclose(compiled[k], eager[k], rtol=1e-4, atol=1e-6) for k in eager)
+    # Adam divides by sqrt(v): float rounding in a tiny gradient shows up in its update as a
+    # fraction of the learning rate (1e-4), so weights agree to 1e-5 (a wrong gradient would move
+    # them by up to 2e-4 in two steps).
+    assert all(torch.allclose(compiled[k], eager[k], rtol=1e-4, atol=1e-5) for k in eager)
 
 
 @pytest.mark.parametrize("flags, match", [

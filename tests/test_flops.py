@@ -93,6 +93,8 @@ def test_moh_forward_matches_torch_flop_counter():
     attention (forward_flops at ratio 1.0) plus every router, which are the plain ``mm``."""
     model = MoHDiTTransformer2DModel.from_preset("MoH-DiT-S/2-75").eval()
     model.set_sparse_inference(False)
+    for block in model.transformer_blocks:
+        block.attn1.fused_projections = True  # forced: the default fuses on CUDA only
     counted = counted_forward(model)  # the routers run inside the fused QKV GEMM (an addmm)
     assert sum(counted.values()) == forward_flops(model, ratio=1.0) and "mm" not in counted
     for block in model.transformer_blocks:

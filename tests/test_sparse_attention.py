@@ -500,6 +500,7 @@ def test_fused_path_is_taken_and_wrapped_projections_fall_back(monkeypatch):
     monkeypatch.setattr(tm, "fused_dense_masked_attention", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     torch.manual_seed(0)
     attn = MoHAttention(48, 6, 8, 2, 2).eval()
+    attn.fused_projections = True  # forced: the default fuses on CUDA only
     x = torch.randn(2, 10, 48)
     with torch.no_grad():
         attn.sparse_inference = False
@@ -523,6 +524,7 @@ def test_cached_fused_weight_follows_weight_changes():
     torch.manual_seed(0)
     attn = MoHAttention(48, 6, 8, 2, 2).eval()
     attn.sparse_inference = False
+    attn.fused_projections = True  # forced: the default fuses on CUDA only
     x = torch.randn(2, 10, 48)
     with torch.no_grad():
         first, _ = attn(x)
@@ -536,3 +538,20 @@ def test_cached_fused_weight_follows_weight_changes():
     attn.to(torch.float64)
     with torch.no_grad():
         assert attn(x.double())[0].dtype == torch.float64
+
+
+def test_fused_projections_default_to_cuda_only():
+    """By default the one-GEMM path runs on CUDA; on the CPU the separate linears run, so CPU
+    results (and the demo's documented numbers) are bit-identical to the unfused layer."""
+    torch.manual_seed(0)
+    attn = MoHAttention(48, 6, 8, 2, 2)
+    attn.sparse_inference = False
+    assert attn.fused_projections is None
+    x = torch.randn(2, 10, 48)
+    default, _ = attn(x)
+    attn.fused_projections = False
+    separate, _ = attn(x)
+    attn.fused_projections = True
+    fused, _ = attn(x)
+    assert torch.equal(default, separate)
+    assert torch.allclose(fused, separate, atol=1e-5)

@@ -45,7 +45,7 @@ def _image_folder(root, classes=3, per_class=4, size=8):
 
 def test_upcycled_presets_keep_dense_heads_and_their_activation():
     expected = {"MoH-DiT-XL/2-up75": 0.75, "MoH-DiT-XL/2-up90": 403 / 448, "MoH-DiT-Tiny-up75": 0.75,
-                "MoH-DiT-Tiny-up90": 22 / 24}
+                "MoH-DiT-Tiny-up90": 22 / 24, "MoH-DiT-Tiny/2-up75": 0.75}
     assert set(UPCYCLED_PRESETS) == set(expected)
     for name, ratio in expected.items():
         cfg, dense = PRESETS[name], PRESETS[UPCYCLED_PRESETS[name][0]]
