@@ -47,10 +47,10 @@ from . import flops
 from .classifier import SampleClassifier, load_classifier
 from .evaluation import (
     ADM_K,
-    ClassAccuracyMeter,
     EvaluationResult,
     ReferenceStatistics,
     build_random_inception,
+    check_class_names,
     evaluate,
     extractor_identity,
     load_inception,
@@ -310,6 +310,7 @@ class _Run:
     extractor_identity: str
     calls: int  # transformer calls per image
     classifier: SampleClassifier | None = None
+    labels: list[int] | None = None  # every image's class label, for the classifier (the same at every ratio)
 
 
 class _Clock:
@@ -500,14 +501,11 @@ def _evaluate_ratio(run: _Run, plan: RatioPlan) -> tuple[SweepRow, EvaluationRes
 
 
 def _class_accuracy_arguments(run: _Run) -> dict[str, Any]:
-    """What :func:`evaluate` needs to measure class accuracy: the classifier, every image's label
-    (as :func:`generate_batch` draws them) and the model's class names; nothing without a classifier."""
+    """What :func:`evaluate` needs to measure class accuracy; nothing without a classifier."""
     if run.classifier is None:
         return {}
-    config = run.pipe.transformer.config
-    labels = class_labels_for(range(run.images.num_samples), config.num_classes, run.images.class_labels,
-                              run.images.seed)
-    return dict(classifier=run.classifier, labels=labels, class_names=config.get("class_names"))
+    return dict(classifier=run.classifier, labels=run.labels,
+                class_names=run.pipe.transformer.config.get("class_names"))
 
 
 def _resolve_classifier(settings: SweepSettings) -> SampleClassifier | None:
@@ -602,8 +600,12 @@ def sweep_head_activation(
     check_plans(pipe, plans, images)
     _refuse_earlier_samples(plans, settings)
     classifier = _resolve_classifier(settings)
-    if classifier is not None:  # checks the classifier against the model's classes before any work
-        ClassAccuracyMeter(classifier, [], class_names=pipe.transformer.config.get("class_names"))
+    labels = None
+    if classifier is not None:  # checked against the model's classes before any work
+        check_class_names(classifier, pipe.transformer.config.get("class_names"))
+        # as generate_batch draws them: the same labels at every ratio, computed once
+        labels = class_labels_for(range(images.num_samples), pipe.transformer.config.num_classes,
+                                  images.class_labels, images.seed)
     extractor = _resolve_extractor(extractor, settings)
     identity = extractor_identity(extractor)
     ref = _reference_statistics(reference, extractor, identity, settings, log)
@@ -611,7 +613,7 @@ def sweep_head_activation(
     pipe.to(settings.device)
     pipe.set_progress_bar_config(disable=True)
     calls = transformer_calls_per_image(images.num_inference_steps, images.guidance_scale)
-    run = _Run(pipe, images, settings, ref, extractor, identity, calls, classifier)
+    run = _Run(pipe, images, settings, ref, extractor, identity, calls, classifier, labels)
     rows, results = [], []
     with _attention_path(pipe.transformer, settings.attention) as attention:
         for plan in plans:

@@ -46,7 +46,14 @@ from torch import nn
 from ..classifier import SampleClassifier
 from ..data import IMG_EXTENSIONS
 from ..runtime import tf32_disabled
-from .class_accuracy import ClassAccuracy, ClassAccuracyMeter, class_accuracy, read_class_map, read_sample_labels
+from .class_accuracy import (
+    ClassAccuracy,
+    ClassAccuracyMeter,
+    check_class_names,
+    class_accuracy,
+    read_class_map,
+    read_sample_labels,
+)
 from .features import (
     ExtractedFeatures,
     FeatureExtractor,
@@ -120,6 +127,7 @@ __all__ = [
     "TFInceptionV3Features",
     "as_inception_features",
     "build_random_inception",
+    "check_class_names",
     "class_accuracy",
     "compute_statistics",
     "evaluate",

@@ -27,7 +27,8 @@ import torch
 from ..classifier import SampleClassifier
 from .sources import zip_member_names
 
-__all__ = ["ClassAccuracy", "ClassAccuracyMeter", "class_accuracy", "read_class_map", "read_sample_labels"]
+__all__ = ["ClassAccuracy", "ClassAccuracyMeter", "check_class_names", "class_accuracy", "read_class_map",
+           "read_sample_labels"]
 
 
 @dataclass
@@ -102,6 +103,20 @@ def read_class_map(path: str | os.PathLike, classes: Sequence[str]) -> dict[int,
     return out
 
 
+def check_class_names(classifier: SampleClassifier, class_names: Sequence[str] | None) -> None:
+    """Refuse a classifier trained on class folders whose classes are not ``class_names`` (the
+    model's), in the same order: with label ``i`` taken as the classifier's class ``i`` the metric
+    would compare different things. Nothing to check without names or for other classifiers."""
+    if class_names is None or not classifier.classes_are_folders:
+        return
+    names = list(class_names)
+    if names != classifier.classes[: len(names)]:
+        shown = ", ".join(names[:4])
+        theirs = ", ".join(classifier.classes[:4])
+        raise ValueError(f"the model's classes ({shown}, ...) are not the classifier's ({theirs}, ...) in the "
+                         "same order; train the classifier on the model's training data or give a class map")
+
+
 class ClassAccuracyMeter:
     """Accumulates predictions batch by batch (so it can ride along a streamed evaluation).
 
@@ -121,19 +136,11 @@ class ClassAccuracyMeter:
             raise ValueError(f"labels must be 1-D, got shape {self.labels.shape}")
         self.class_map = dict(class_map) if class_map is not None else None
         self.class_names = list(class_names) if class_names is not None else None
-        self._check_mapping()
+        if self.class_map is None:
+            check_class_names(classifier, self.class_names)
         self.targets = np.array([self._target(int(label)) for label in self.labels], dtype=np.int64)
         self.predictions: list[np.ndarray] = []
         self.seen = 0
-
-    def _check_mapping(self) -> None:
-        if self.class_map is None and self.class_names is not None and self.classifier.classes_are_folders:
-            same = self.class_names == self.classifier.classes[: len(self.class_names)]
-            if not same:
-                shown = ", ".join(self.class_names[:4])
-                theirs = ", ".join(self.classifier.classes[:4])
-                raise ValueError(f"the model's classes ({shown}, ...) are not the classifier's ({theirs}, ...) in the "
-                                 "same order; train the classifier on the model's training data or give a class map")
 
     def _target(self, label: int) -> int:
         if self.class_map is not None:
