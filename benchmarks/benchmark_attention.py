@@ -37,12 +37,12 @@ from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from diffusers.utils import logging as diffusers_logging
 
 from moh_dit import MoHDiTTransformer2DModel
-from moh_dit.cli import run_cli
-from moh_dit.flops import attention_flops
-from moh_dit.io_utils import write_json_atomic
-from moh_dit.presets import PRESETS
-from moh_dit.sparse_attention import STRATEGIES, MoHSparseAttnProcessor, ideal_flop_ratio
-from moh_dit.transformer_moh_dit import MoHAttention, min_top_k
+from moh_dit.utils.cli import run_cli
+from moh_dit.models.flops import attention_flops
+from moh_dit.utils.io import write_json_atomic
+from moh_dit.models.presets import PRESETS
+from moh_dit.models.sparse_attention import STRATEGIES, MoHSparseAttnProcessor, ideal_flop_ratio
+from moh_dit.models.transformer_moh_dit import MoHAttention, min_top_k
 
 from common import interleaved_medians, pick_device, randomize_weights_
 

@@ -20,9 +20,9 @@ import torch
 from diffusers import AutoencoderKL
 from PIL import Image
 
-from moh_dit.cli import run_cli
-from moh_dit.data import ImageFolderDataset
-from moh_dit.latents import LatentDataset, extract_latents
+from moh_dit.utils.cli import run_cli
+from moh_dit.data.datasets import ImageFolderDataset
+from moh_dit.data.latents import LatentDataset, extract_latents
 
 from common import pick_device, sync
 

@@ -30,9 +30,9 @@ import sys
 import torch
 
 from moh_dit import MoHDiTTransformer2DModel
-from moh_dit.cli import run_cli
-from moh_dit.io_utils import write_json_atomic
-from moh_dit.presets import PRESETS
+from moh_dit.utils.cli import run_cli
+from moh_dit.utils.io import write_json_atomic
+from moh_dit.models.presets import PRESETS
 
 from common import diffusers_dit, interleaved_times, pick_device, randomize_weights_
 

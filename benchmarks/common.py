@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from diffusers import DiTTransformer2DModel
 
-from moh_dit.presets import PRESETS
+from moh_dit.models.presets import PRESETS
 
 __all__ = ["diffusers_dit", "interleaved_medians", "interleaved_times", "pick_device", "randomize_weights_", "sync"]
 

@@ -17,9 +17,9 @@ import tempfile
 import torch
 from diffusers.models.embeddings import get_timestep_embedding
 
-from moh_dit.cli import run_cli
-from moh_dit.convert import convert_checkpoint
-from moh_dit.presets import PRESETS
+from moh_dit.utils.cli import run_cli
+from moh_dit.hub.convert import convert_checkpoint
+from moh_dit.models.presets import PRESETS
 
 from common import diffusers_dit, randomize_weights_
 

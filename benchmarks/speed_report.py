@@ -9,7 +9,7 @@ and -75, measured side by side in one run, as JSON and a markdown table.
 ``train``: for each model, the largest batch of ``--batches`` that fits (eager; the compiled
 model then runs the same batch), one training step as ``scripts/train.py`` takes it (diffusion
 loss plus the load-balance loss, bf16 autocast, fused AdamW on CUDA, the foreach EMA update),
-eager and compiled per block; ms/step, images/s and MFU (``moh_dit.speed``: 3 x forward
+eager and compiled per block; ms/step, images/s and MFU (``moh_dit.utils.speed``: 3 x forward
 FLOPs on the dense-masked path against the device's peak). ``sample``: MoH-DiT-XL/2-90 at
 256 px (32 x 32 latents, no VAE decode), DDPM with learned variance and guidance, eager and
 compiled; images/s and what 50K images take at that rate. ``forward``: one forward of each
@@ -29,10 +29,10 @@ import time
 import torch
 
 from moh_dit import MoHDiTTransformer2DModel
-from moh_dit.cli import run_cli
-from moh_dit.diffusion import create_diffusion
-from moh_dit.io_utils import atomic_write, write_json_atomic
-from moh_dit.speed import compile_model, peak_flops, training_flops_per_image
+from moh_dit.utils.cli import run_cli
+from moh_dit.diffusion.gaussian_diffusion import create_diffusion
+from moh_dit.utils.io import atomic_write, write_json_atomic
+from moh_dit.utils.speed import compile_model, peak_flops, training_flops_per_image
 from moh_dit.training.loop import update_ema
 
 from common import interleaved_medians, pick_device, randomize_weights_, sync

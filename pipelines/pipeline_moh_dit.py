@@ -44,8 +44,8 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
-from moh_dit.head_activation import head_activation
-from moh_dit.transformer_moh_dit import MoHDiTTransformer2DModel
+from moh_dit.models.head_activation import head_activation
+from moh_dit.models.transformer_moh_dit import MoHDiTTransformer2DModel
 
 __all__ = [
     "MoHDiTPipeline",
@@ -251,7 +251,7 @@ class MoHDiTPipeline(DiffusionPipeline):
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs: Any) -> "MoHDiTPipeline":
         """``DiffusionPipeline.from_pretrained``, which also loads exported folders without their code.
 
-        A folder written by ``moh_dit.export`` names module files that travel with it in its
+        A folder written by ``moh_dit.hub.export`` names module files that travel with it in its
         ``model_index.json``, so that ``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)``
         loads it without moh-dit. Called on this class, such a local folder is loaded with this
         module's own classes instead (no ``trust_remote_code``, same weights). It takes

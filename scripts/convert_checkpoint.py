@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moh_dit.cli import run_cli
-from moh_dit.convert import convert_checkpoint
-from moh_dit.presets import PRESETS
+from moh_dit.utils.cli import run_cli
+from moh_dit.hub.convert import convert_checkpoint
+from moh_dit.models.presets import PRESETS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

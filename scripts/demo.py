@@ -32,13 +32,13 @@ import torch
 from PIL import Image, ImageDraw
 from tqdm.auto import tqdm
 
-from moh_dit.classifier import load_classifier, train_classifier
-from moh_dit.cli import run_cli
-from moh_dit.io_utils import write_json_atomic
-from moh_dit.demo_data import make_demo_dataset
+from moh_dit.evaluation.classifier import load_classifier, train_classifier
+from moh_dit.utils.cli import run_cli
+from moh_dit.utils.io import write_json_atomic
+from moh_dit.data.demo_data import make_demo_dataset
 from moh_dit.evaluation import InceptionWeightsNotFoundError, resolve_inception_weights
-from moh_dit.sampling import load_pipeline
-from moh_dit.sweep import run_sweep, write_sweep
+from moh_dit.sampling.sample import load_pipeline
+from moh_dit.sampling.sweep import run_sweep, write_sweep
 from moh_dit.training import TrainConfig, train
 
 
@@ -91,10 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> None:
     """Every flag, before the dataset is written or anything is trained; the run itself is unchanged."""
-    from moh_dit.presets import PRESETS
-    from moh_dit.sweep import parse_ratios
+    from moh_dit.models.presets import PRESETS
+    from moh_dit.sampling.sweep import parse_ratios
 
-    from moh_dit.demo_data import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE
+    from moh_dit.data.demo_data import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE
 
     if args.preset not in PRESETS:
         raise ValueError(f"--preset {args.preset!r} is not a known preset; choose one of {', '.join(PRESETS)}")

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from moh_dit.cli import run_cli
-from moh_dit.classifier import load_classifier
+from moh_dit.utils.cli import run_cli
+from moh_dit.evaluation.classifier import load_classifier
 from moh_dit.evaluation import ADM_SPLIT_SIZE, INCEPTION_WEIGHTS_ENV, evaluate, read_class_map, read_sample_labels
-from moh_dit.io_utils import write_json_atomic
+from moh_dit.utils.io import write_json_atomic
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

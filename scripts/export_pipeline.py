@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moh_dit.cli import EXPECTED_ERRORS, run_cli
-from moh_dit.export import VARIANTS, HubPushError, export_pipeline
+from moh_dit.utils.cli import EXPECTED_ERRORS, run_cli
+from moh_dit.hub.export import VARIANTS, HubPushError, export_pipeline
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -7,7 +7,7 @@
         --vae stabilityai/sd-vae-ft-ema --image-size 512 --output-dir /data/imagenet512-latents
 
 Stores the VAE posterior's mean and std of every image, plain and horizontally flipped,
-so training from the cache (moh_dit.latents.LatentDataset) sees the same distribution as
+so training from the cache (moh_dit.data.latents.LatentDataset) sees the same distribution as
 training from images. Rerun the same command to resume an interrupted extraction.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from moh_dit.cli import run_cli
-from moh_dit.latents import extract_latents
+from moh_dit.utils.cli import run_cli
+from moh_dit.data.latents import extract_latents
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

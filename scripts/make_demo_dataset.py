@@ -9,8 +9,8 @@ import argparse
 import sys
 import time
 
-from moh_dit.cli import run_cli
-from moh_dit.demo_data import demo_classes, make_demo_dataset
+from moh_dit.utils.cli import run_cli
+from moh_dit.data.demo_data import demo_classes, make_demo_dataset
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

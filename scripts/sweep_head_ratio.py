@@ -12,7 +12,7 @@ and prints a table. ``--model``: a pipeline folder or a save_pretrained transfor
 images (e.g. the training ImageFolder for the demo). Without the published Inception weights
 the script stops with advice; ``--random-inception-seed N`` explicitly uses a random
 Inception instead, and everything is then labelled not comparable to published numbers.
-All the work is done by :func:`moh_dit.sweep.sweep_head_activation`.
+All the work is done by :func:`moh_dit.sampling.sweep.sweep_head_activation`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from moh_dit.cli import run_cli
+from moh_dit.utils.cli import run_cli
 from moh_dit.evaluation import ADM_K, INCEPTION_WEIGHTS_ENV
 from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, SEED_RANGE
-from moh_dit.sampling import DTYPES, SampleSettings, check_model_flags, check_seed_flags, load_pipeline
-from moh_dit.sweep import (
+from moh_dit.sampling.sample import DTYPES, SampleSettings, check_model_flags, check_seed_flags, load_pipeline
+from moh_dit.sampling.sweep import (
     ATTENTION_PATHS,
     DEFAULT_RATIOS,
     SweepSettings,

@@ -21,9 +21,9 @@ import json
 import os
 import sys
 
-from moh_dit.cli import EXPECTED_ERRORS, run_cli
-from moh_dit.presets import PRESETS
-from moh_dit.speed import COMPILE_MODES
+from moh_dit.utils.cli import EXPECTED_ERRORS, run_cli
+from moh_dit.models.presets import PRESETS
+from moh_dit.utils.speed import COMPILE_MODES
 from moh_dit.training import TrainConfig, TrainingDivergedError, preflight, train
 
 

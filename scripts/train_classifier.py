@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from moh_dit.classifier import train_classifier
-from moh_dit.cli import run_cli
+from moh_dit.evaluation.classifier import train_classifier
+from moh_dit.utils.cli import run_cli
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from moh_dit.cli import run_cli
-from moh_dit.upcycle import check_output, save_upcycled, upcycle
+from moh_dit.utils.cli import run_cli
+from moh_dit.hub.upcycle import check_output, save_upcycled, upcycle
 
 
 def _layers(text: str) -> int | list[int]:

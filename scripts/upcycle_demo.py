@@ -12,7 +12,7 @@
    trained from scratch for N + M steps;
 5. samples every model with the same seeds and labels and prints a table (markdown and JSON)
    of FID, sFID, precision and recall against the held-out images, and class accuracy (a small
-   CNN trained on the training images, moh_dit.classifier, classifies every sample).
+   CNN trained on the training images, moh_dit.evaluation.classifier, classifies every sample).
 
 Every training run uses the same optimiser settings, batch and data order. FID needs a feature
 network: the standard TF Inception when its weights are found (--inception-weights,
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from moh_dit.cli import run_cli
-from moh_dit.demo_data import make_demo_dataset
-from moh_dit.io_utils import atomic_write, write_json_atomic
+from moh_dit.utils.cli import run_cli
+from moh_dit.data.demo_data import make_demo_dataset
+from moh_dit.utils.io import atomic_write, write_json_atomic
 from moh_dit.training import TrainConfig, find_latest_checkpoint, train
 
 DENSE, UPCYCLED = "DiT-Tiny/2", "MoH-DiT-Tiny/2-up75"  # the main demo's 16 px, patch 2 recipe
@@ -117,7 +117,7 @@ def _train(args: argparse.Namespace, run: Path, preset: str, data: Path, steps: 
 
 
 def _upcycle(args: argparse.Namespace, dense: Path, data: Path, target: Path) -> Path:
-    from moh_dit.upcycle import save_upcycled, upcycle
+    from moh_dit.hub.upcycle import save_upcycled, upcycle
 
     if not target.is_dir():
         model, report = upcycle(dense, 0.75, calibration=data, calibration_batches_count=args.calibration_batches,
@@ -139,7 +139,7 @@ def _inception(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 def _classifier(args: argparse.Namespace, data: Path, folder: Path) -> tuple[Path, float]:
     """The class-accuracy classifier (trained once on the training images) and its accuracy on
     held-out real images, the ceiling of the samples' class accuracy."""
-    from moh_dit.classifier import train_classifier
+    from moh_dit.evaluation.classifier import train_classifier
 
     if not (folder / "classifier.json").is_file():
         train_classifier(data, folder, image_size=IMAGE_SIZE, epochs=args.classifier_epochs, seed=args.seed, log=None)
@@ -150,8 +150,8 @@ def evaluate_models(args: argparse.Namespace, models: list[tuple[str, int, Path]
                     cache: Path, classifier: Path) -> tuple[list[dict[str, Any]], str]:
     """Each model sampled with the same seeds and labels (class i mod C for image i), scored
     against the held-out images with the same feature network and classifier."""
-    from moh_dit.sampling import load_pipeline
-    from moh_dit.sweep import run_sweep
+    from moh_dit.sampling.sample import load_pipeline
+    from moh_dit.sampling.sweep import run_sweep
 
     inception, network = _inception(args)
     rows = []

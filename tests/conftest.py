@@ -9,6 +9,23 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# diffusers' convention: tests marked `slow` (whole scripts in subprocesses, two-process
+# launches, torch.compile, the demo end to end) run only with RUN_SLOW=1.
+RUN_SLOW = os.environ.get("RUN_SLOW", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a test that takes many seconds; runs only with RUN_SLOW=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if RUN_SLOW:
+        return
+    skip = pytest.mark.skip(reason="slow test: set RUN_SLOW=1 to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
 
 def randomize_(model: torch.nn.Module, std: float = 0.1, seed: int = 0) -> torch.nn.Module:
     """Give every parameter random values: DiT's init zeroes the adaLN and output layers,

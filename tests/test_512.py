@@ -18,7 +18,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from moh_dit import MoHDiTTransformer2DModel
-from moh_dit.convert import model_to_release_state_dict
+from moh_dit.hub.convert import model_to_release_state_dict
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,6 +28,7 @@ def _same_weights(a, b):
     return set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.slow
 def test_release_512_checkpoint_converts_at_64x64_latents(tmp_path, randomize, load_script, capsys):
     """A DiT-XL-2-512x512.pt-style pickle: pos_embed of 32 x 32 = 1024 tokens, 4-channel latents."""
     dense = randomize(MoHDiTTransformer2DModel.from_preset("DiT-S/2", sample_size=64), seed=1).eval()
@@ -50,7 +51,7 @@ def test_release_512_checkpoint_converts_at_64x64_latents(tmp_path, randomize, l
 
 def test_diffusers_512_pipeline_folder_converts(tmp_path, randomize):
     """A facebook/DiT-XL-2-512-style DiTPipeline folder (config sample_size 64)."""
-    from moh_dit.convert import convert_checkpoint
+    from moh_dit.hub.convert import convert_checkpoint
 
     dit = DiTTransformer2DModel(num_attention_heads=6, attention_head_dim=64, in_channels=4, out_channels=8,
                                 num_layers=12, sample_size=64, patch_size=2, num_embeds_ada_norm=1000)
@@ -97,6 +98,7 @@ def _smooth(n, size, seed):
     return np.stack([np.asarray(Image.fromarray(b).resize((size, size), Image.BILINEAR)) for b in base])
 
 
+@pytest.mark.slow
 def test_evaluate_script_against_a_512_px_reference(tmp_path, load_script):
     from moh_dit.evaluation import save_random_inception_weights
 

@@ -13,14 +13,16 @@ import pytest
 import torch
 
 from moh_dit import MoHDiTTransformer2DModel
-from moh_dit.cli import run_cli
-from moh_dit.sparse_attention import ideal_flop_ratio
+from moh_dit.utils.cli import run_cli
+from moh_dit.models.sparse_attention import ideal_flop_ratio
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 # On CPU the jagged SDPA of the packed strategy runs torch's math fallback, which warns
 # that strided nested tensors are a prototype.
-pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+# Developer tools run end to end in subprocesses: many seconds each.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")]
 
 
 @pytest.fixture

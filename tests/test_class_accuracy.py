@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from moh_dit import classifier as clf
-from moh_dit.data import find_image_folder, load_image
-from moh_dit.demo_data import make_demo_dataset
+from moh_dit.evaluation import classifier as clf
+from moh_dit.data.datasets import find_image_folder, load_image
+from moh_dit.data.demo_data import make_demo_dataset
 from moh_dit.evaluation import ClassAccuracyMeter, class_accuracy, read_class_map, read_sample_labels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,6 +30,7 @@ def shapes(tmp_path_factory):
     return dict(root=root, data=data, trained=trained, classes=classes, images=images, labels=labels)
 
 
+@pytest.mark.slow
 def test_classifier_folder_layout_and_record(shapes):
     folder = shapes["trained"].path
     assert sorted(p.name for p in folder.iterdir()) == ["class_index.json", "classifier.json", "model.safetensors"]
@@ -135,6 +136,7 @@ def random_weights(tmp_path_factory):
     return save_random_inception_weights(tmp_path_factory.mktemp("inception") / "random.pth", seed=0)
 
 
+@pytest.mark.slow
 def test_evaluate_script_writes_class_accuracy(shapes, random_weights, load_script, tmp_path):
     np.savez(tmp_path / "samples.npz", shapes["images"], shapes["labels"])
     out = tmp_path / "m.json"

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from moh_dit.speed import compile_model
+from moh_dit.utils.speed import compile_model
 from moh_dit.training import TrainConfig, train
 
 
@@ -23,6 +23,7 @@ def make_image_folder(root, per_class=2, size=8):
     return root
 
 
+@pytest.mark.slow
 def test_compiled_pipeline_gives_the_eager_images(tiny_pipe):
     """``compile_model(pipe.transformer)``: same latents as eager (float rounding), the
     model's class, config and state-dict keys unchanged."""
@@ -39,6 +40,7 @@ def test_compiled_pipeline_gives_the_eager_images(tiny_pipe):
     assert all(torch.allclose(c, e, atol=1e-6) for c, e in zip(compiled.head_usage, eager.head_usage))
 
 
+@pytest.mark.slow
 def test_compiled_training_per_block_with_checkpointing_matches_eager(tmp_path):
     """--compile --compile-per-block with gradient checkpointing: the same losses and weights
     as the eager run to float tolerance, and checkpoints with the eager model's keys (no

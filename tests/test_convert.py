@@ -12,7 +12,7 @@ from diffusers import DiTTransformer2DModel
 from diffusers.models.embeddings import Timesteps
 
 from moh_dit import MoHDiTTransformer2DModel
-from moh_dit.convert import ConversionError, convert_checkpoint, model_to_release_state_dict
+from moh_dit.hub.convert import ConversionError, convert_checkpoint, model_to_release_state_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "convert_checkpoint.py"
@@ -37,6 +37,7 @@ def _run(*args):
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_cli_converts_release_pickle(tmp_path, randomize):
     ema, raw = _release_checkpoint(tmp_path / "0000100.pt", randomize, sample_size=8)
     res = _run("--checkpoint", tmp_path / "0000100.pt", "--preset", "MoH-DiT-Tiny", "--output", tmp_path / "out")
@@ -57,6 +58,7 @@ def test_bare_state_dict_with_ddp_prefix(tmp_path, randomize):
     assert torch.equal(converted(x, t, y).sample, model(x, t, y).sample)
 
 
+@pytest.mark.slow
 def test_wrong_preset_is_refused_and_nothing_written(tmp_path, randomize):
     _release_checkpoint(tmp_path / "ckpt.pt", randomize, sample_size=8)
     res = _run("--checkpoint", tmp_path / "ckpt.pt", "--preset", "DiT-Tiny", "--output", tmp_path / "out")
@@ -87,6 +89,7 @@ def test_pos_embed_mismatch_refused(tmp_path, randomize):
         convert_checkpoint(tmp_path / "p.pt", "DiT-Tiny")
 
 
+@pytest.mark.slow
 def test_missing_ema_and_missing_file(tmp_path, randomize):
     model = randomize(MoHDiTTransformer2DModel.from_preset("DiT-Tiny", sample_size=8))
     torch.save({"model": model_to_release_state_dict(model)}, tmp_path / "c.pt")
@@ -239,7 +242,7 @@ def test_valid_conversion_through_the_cli_in_process(inputs, tmp_path, load_scri
 
 
 def test_hub_ids_are_only_org_name():
-    from moh_dit.convert import _is_hub_id
+    from moh_dit.hub.convert import _is_hub_id
 
     assert _is_hub_id("facebook/DiT-XL-2-256")
     for path in ("checkpoints/7000000.pt", "./a/b", "a/b/c", "/abs/x", "~/x/y", "x", "a/b.safetensors", "/x"):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from moh_dit import MoHDiTTransformer2DModel
-from moh_dit.sparse_attention import STRATEGIES, MoHSparseAttnProcessor
-from moh_dit.transformer_moh_dit import MoHAttention, MoHAttnProcessor
+from moh_dit.models.sparse_attention import STRATEGIES, MoHSparseAttnProcessor
+from moh_dit.models.transformer_moh_dit import MoHAttention, MoHAttnProcessor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

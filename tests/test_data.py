@@ -8,7 +8,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from moh_dit.data import (
+from moh_dit.data.datasets import (
     CorruptImageError,
     ImageFolderDataset,
     ResumableSampler,
@@ -223,7 +223,7 @@ GREY_16 = np.array([[0, 32768], [65535, 257 * 100]], dtype=np.uint16)  # -> 0, 1
 
 
 def _grey_of(path):
-    from moh_dit.data import load_image
+    from moh_dit.data.datasets import load_image
 
     image = load_image(path)
     assert image.mode == "RGB"
@@ -281,7 +281,7 @@ def test_high_bit_depth_modes_scale_by_their_type_range(tmp_path, mode, values, 
 
 def test_mode_I_png_uses_the_png_bit_depth(tmp_path, monkeypatch):
     """Older Pillow opens 16-bit grey PNGs as mode "I"; the PNG header says they are 16-bit."""
-    import moh_dit.data as data_mod
+    import moh_dit.data.datasets as data_mod
 
     path = tmp_path / "grey16.png"
     Image.fromarray(np.array([[300, 32768]], np.uint16)).save(path)  # 300 alone would look 8-bit-ish
@@ -301,7 +301,7 @@ def test_16bit_colour_pngs_are_read_as_8bit_by_pillow(tmp_path):
     rgb = np.zeros((1, 2, 3), np.uint16)
     rgb[0, 0] = (32768, 0, 65535)
     rgb[0, 1] = (257 * 10, 257 * 20, 257 * 30)
-    from moh_dit.data import load_image
+    from moh_dit.data.datasets import load_image
 
     np.testing.assert_array_equal(np.asarray(load_image(_png_16bit(tmp_path / "rgb.png", rgb, 2))), [[[128, 0, 255], [10, 20, 30]]])
     rgba = np.concatenate([rgb, np.zeros((1, 2, 1), np.uint16)], axis=-1)  # fully transparent
@@ -311,7 +311,7 @@ def test_16bit_colour_pngs_are_read_as_8bit_by_pillow(tmp_path):
 def test_8bit_modes_match_convert_rgb_and_alpha_is_dropped(tmp_path):
     """8-bit images give exactly DiT's/ADM's Image.open(...).convert("RGB") pixels (so FID stays comparable):
     alpha dropped with the stored colour kept, palette colours, CMYK converted, bilevel and L grey."""
-    from moh_dit.data import load_image
+    from moh_dit.data.datasets import load_image
 
     palette = Image.new("P", (2, 1))
     palette.putpalette([200, 10, 20, 5, 6, 7])
@@ -333,7 +333,7 @@ def test_8bit_modes_match_convert_rgb_and_alpha_is_dropped(tmp_path):
     for name, (img, first_pixel) in cases.items():
         path = tmp_path / name
         if name.endswith(".webp"):  # PA cannot be saved as such; keep the PA image in memory
-            from moh_dit.data import to_rgb
+            from moh_dit.data.datasets import to_rgb
 
             loaded = to_rgb(img)
             assert np.asarray(loaded)[0, 0].tolist() == first_pixel
@@ -383,7 +383,7 @@ def test_links_to_folders_outside_the_tree_are_followed(tmp_path):
     (root / "dog" / "linked").symlink_to(elsewhere, target_is_directory=True)
     (root / "dog" / "linked_again").symlink_to(elsewhere, target_is_directory=True)
     (root / "dog" / "dangling").symlink_to(tmp_path / "nowhere", target_is_directory=True)
-    from moh_dit.data import scan_image_files
+    from moh_dit.data.datasets import scan_image_files
 
     ds = ImageFolderDataset(root, 8)
     assert [os.path.relpath(p, root) for p, _ in ds.samples] == [

@@ -4,11 +4,13 @@ import json
 import runpy
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("MOH_DIT_INCEPTION_WEIGHTS", raising=False)
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # no cached real weights

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from moh_dit.data import ImageFolderDataset
-from moh_dit.demo_data import DEMO_COLOURS, demo_classes, make_demo_dataset, render_demo_image
+from moh_dit.data.datasets import ImageFolderDataset
+from moh_dit.data.demo_data import DEMO_COLOURS, demo_classes, make_demo_dataset, render_demo_image
 
 def _digest(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*.png"))}
@@ -158,7 +158,7 @@ def test_demo_script_refuses_bad_flags(tmp_path, refuses, flags, match):
 
 def test_every_allowed_size_has_room_for_every_shape():
     """At the smallest size every draw fits the largest shape, whole, inside the image."""
-    from moh_dit.demo_data import MIN_IMAGE_SIZE
+    from moh_dit.data.demo_data import MIN_IMAGE_SIZE
 
     for seed in range(300):
         for shape in ("circle", "square", "triangle", "cross"):

@@ -7,7 +7,7 @@ from diffusers import DDPMScheduler
 from scipy import integrate
 from scipy.stats import norm
 
-from moh_dit.diffusion import (
+from moh_dit.diffusion.gaussian_diffusion import (
     GaussianDiffusion,
     create_diffusion,
     discretized_gaussian_log_likelihood,

@@ -494,6 +494,7 @@ def test_adm_reference_batch_uses_stored_statistics(tmp_path):
     assert (result.precision, result.recall, result.num_samples) == (1.0, 1.0, 10)
 
 
+@pytest.mark.slow
 def test_evaluate_script_end_to_end(tmp_path, random_weights, evaluate_script):
     reference = _smooth_images(10, 32)
     _write_pngs(tmp_path / "ref", reference)
@@ -770,7 +771,7 @@ def test_evaluate_script_refuses_bad_flags(tmp_path, evaluate_inputs, refuses, c
 
 
 def test_every_public_name_is_importable_from_the_package():
-    from moh_dit import runtime
+    from moh_dit.utils import runtime
 
     for name in [*ev.__all__, "IMG_EXTENSIONS", "INCEPTION_WEIGHTS_SHA256_PREFIX", "NOT_COMPARABLE",
                  "FolderImageSource", "NpzImageSource", "PathLike"]:  # fmt: skip

@@ -20,10 +20,10 @@ import torch
 from huggingface_hub import ModelCard
 
 from moh_dit import MoHDiTPipeline, MoHDiTTransformer2DModel
-from moh_dit.bundle import BundleError, bundle_module
-from moh_dit.export import HubPushError, INFO_FILE, export_pipeline, is_export, push_folder
-from moh_dit.sampling import load_pipeline
-from moh_dit.sweep_results import SweepResult, SweepRow, write_sweep
+from moh_dit.hub.bundle import BundleError, bundle_module
+from moh_dit.hub.export import HubPushError, INFO_FILE, export_pipeline, is_export, push_folder
+from moh_dit.sampling.sample import load_pipeline
+from moh_dit.sampling.sweep_results import SweepResult, SweepRow, write_sweep
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -113,6 +113,7 @@ np.savez(out, **arrays)
 '''
 
 
+@pytest.mark.slow
 def test_diffusers_loads_the_export_without_moh_dit(exported, source, tmp_path):
     _, pipe = source
     (tmp_path / "blocker").mkdir()
@@ -156,7 +157,7 @@ def test_folder_layout_and_code_match_the_package(exported):
     info = json.loads((exported / INFO_FILE).read_text())
     assert is_export(exported) and info["variant"] == "bf16" and info["training_record"] == "train_config.json"
     for file, entry in (("pipeline_moh_dit.py", "moh_dit.pipelines.pipeline_moh_dit"),
-                        ("transformer/transformer_moh_dit.py", "moh_dit.transformer_moh_dit")):
+                        ("transformer/transformer_moh_dit.py", "moh_dit.models.transformer_moh_dit")):
         bundle = bundle_module(entry, info["moh_dit_version"])
         assert (exported / file).read_text() == bundle.source
         assert info["bundled_modules"][file] == list(bundle.modules) and bundle.modules[-1] == entry
@@ -212,7 +213,7 @@ def test_model_card(exported):
 
 
 def test_model_card_shows_class_accuracy_when_measured():
-    from moh_dit import model_card
+    from moh_dit.hub import model_card
 
     row = dict(ratio="trained", realised_ratio=0.75, fid=1.0, sfid=2.0, inception_score=None, precision=0.5,
                recall=0.25, attention_flop_ratio=0.85, sampling_seconds=4.0, num_samples=8)
@@ -328,7 +329,7 @@ def _bad_inputs(tmp_path):
     (tmp_path / "theirs").mkdir()
     (tmp_path / "theirs" / "notes.txt").write_text("mine")
     (tmp_path / "done").mkdir()
-    (tmp_path / "done" / INFO_FILE).write_text(json.dumps({"exported_by": "moh_dit.export"}))
+    (tmp_path / "done" / INFO_FILE).write_text(json.dumps({"exported_by": "moh_dit.hub.export"}))
     (tmp_path / "no_metrics.json").write_text(json.dumps({"accuracy": 1.0}))
     (tmp_path / "sweep").mkdir()
     return model

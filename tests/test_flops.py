@@ -1,4 +1,4 @@
-"""moh_dit.flops: the attention formula by hand, the whole forward pass against torch's own
+"""moh_dit.models.flops: the attention formula by hand, the whole forward pass against torch's own
 FLOP counter, DiT-XL/2 against the DiT paper, ratios, and the callers that must keep their
 numbers (sparse_attention.ideal_flop_ratio, the sweep's FLOP columns)."""
 
@@ -10,9 +10,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from moh_dit import MoHDiTTransformer2DModel, PRESETS, get_preset
-from moh_dit.flops import attention_flops, forward_flop_terms, forward_flops, model_attention_flops
-from moh_dit.sparse_attention import ideal_flop_ratio
-from moh_dit.sweep import attention_flops as sweep_attention_flops
+from moh_dit.models.flops import attention_flops, forward_flop_terms, forward_flops, model_attention_flops
+from moh_dit.models.sparse_attention import ideal_flop_ratio
+from moh_dit.sampling.sweep import attention_flops as sweep_attention_flops
 
 
 def meta_model(name: str, **overrides) -> MoHDiTTransformer2DModel:
@@ -60,7 +60,7 @@ def test_ideal_flop_ratio_keeps_its_numbers():
 
 
 def test_sweep_columns_keep_their_numbers():
-    """The sweep's per-layer integer count (before moh_dit.flops) at every preset's trained layout."""
+    """The sweep's per-layer integer count (before moh_dit.models.flops) at every preset's trained layout."""
     for name in PRESETS:
         model = meta_model(name)
         cfg = model.config
@@ -153,7 +153,7 @@ def test_bad_arguments():
 
 
 def test_peak_flops_table_by_device_name_and_measured_fallback(monkeypatch):
-    from moh_dit import speed
+    from moh_dit.utils import speed
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     peak, source = speed.peak_flops("cuda", torch.bfloat16)
@@ -169,7 +169,7 @@ def test_peak_flops_table_by_device_name_and_measured_fallback(monkeypatch):
 
 
 def test_training_flops_are_three_forwards_on_the_dense_masked_path():
-    from moh_dit import speed
+    from moh_dit.utils import speed
 
     assert speed.training_flops_per_image(get_preset("DiT-XL/2")) == 3 * 237_242_843_136
     moh = get_preset("MoH-DiT-XL/2-90")
@@ -180,7 +180,7 @@ def test_training_flops_are_three_forwards_on_the_dense_masked_path():
 def test_measuring_the_matmul_peak_leaves_the_global_random_stream_alone():
     """Training measures the peak at the start of a run; drawing from the global generator
     there would change every fresh run's noise, timesteps and so its weights."""
-    from moh_dit.speed import measure_matmul_flops
+    from moh_dit.utils.speed import measure_matmul_flops
 
     torch.manual_seed(123)
     before = torch.get_rng_state()

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from moh_dit.io_utils import publish_folder
-from moh_dit.runtime import set_tf32, tf32_disabled
+from moh_dit.utils.io import publish_folder
+from moh_dit.utils.runtime import set_tf32, tf32_disabled
 
 
 def test_publish_folder_appears_only_complete(tmp_path):
@@ -61,7 +61,7 @@ def test_tf32_switch_and_restore():
 def test_atomic_write_gives_files_the_ordinary_mode(tmp_path):
     import os
 
-    from moh_dit.io_utils import write_json_atomic
+    from moh_dit.utils.io import write_json_atomic
 
     old = os.umask(0o022)
     try:

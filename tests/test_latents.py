@@ -9,9 +9,9 @@ import torch
 from diffusers import AutoencoderKL
 from PIL import Image
 
-import moh_dit.latents as latents_mod
-from moh_dit.data import CorruptImageError, ImageFolderDataset, flip_for
-from moh_dit.latents import LatentDataset, encode_distribution, extract_latents, load_vae
+import moh_dit.data.latents as latents_mod
+from moh_dit.data.datasets import CorruptImageError, ImageFolderDataset, flip_for
+from moh_dit.data.latents import LatentDataset, encode_distribution, extract_latents, load_vae
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from moh_dit import PRESETS, MoHDiTTransformer2DModel, head_activation_ratio_of_config, top_k_for_ratio
-from moh_dit.convert import model_to_release_state_dict, release_state_dict_to_model
-from moh_dit.transformer_moh_dit import MoHAttention, min_top_k
+from moh_dit.hub.convert import model_to_release_state_dict, release_state_dict_to_model
+from moh_dit.models.transformer_moh_dit import MoHAttention, min_top_k
 
 # A layout with per-layer head counts and inner width != hidden (like XL), every gate case.
 UNEVEN = dict(

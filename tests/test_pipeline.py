@@ -8,7 +8,7 @@ import torch
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 
 from moh_dit import MoHDiTPipeline, MoHDiTPipelineOutput, MoHDiTTransformer2DModel
-from moh_dit.diffusion import create_diffusion, space_timesteps
+from moh_dit.diffusion.gaussian_diffusion import create_diffusion, space_timesteps
 from moh_dit.pipelines.pipeline_moh_dit import imagenet_id2label, make_scheduler
 
 STEPS = 3

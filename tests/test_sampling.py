@@ -11,7 +11,7 @@ import torch
 
 from moh_dit import MoHDiTPipeline, MoHDiTTransformer2DModel
 from moh_dit.pipelines.pipeline_moh_dit import make_scheduler
-from moh_dit.sampling import (
+from moh_dit.sampling.sample import (
     SETTINGS_FILE,
     SampleSettings,
     class_labels_for,

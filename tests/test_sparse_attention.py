@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import moh_dit
-import moh_dit.sparse_attention as sparse_attention
+import moh_dit.models.sparse_attention as sparse_attention
 from moh_dit import PRESETS, MoHDiTTransformer2DModel, top_k_for_ratio
-from moh_dit.sparse_attention import MoHSparseAttnProcessor, ideal_flop_ratio, sparse_attention_reference
-from moh_dit.transformer_moh_dit import MoHAttention, MoHAttnProcessor, MoHRouting, SparseInferencePolicy
+from moh_dit.models.sparse_attention import MoHSparseAttnProcessor, ideal_flop_ratio, sparse_attention_reference
+from moh_dit.models.transformer_moh_dit import MoHAttention, MoHAttnProcessor, MoHRouting, SparseInferencePolicy
 
 DENSE = MoHAttnProcessor()
 # dense_above=1.0: always skip, so that dense layouts really test the sparse computation.
@@ -445,7 +445,7 @@ def test_ideal_flop_ratio():
 
 
 # --------------------------------------------------------------------------------------
-# The fused QKV + router GEMM (moh_dit.moh_routing)
+# The fused QKV + router GEMM (moh_dit.models.moh_routing)
 # --------------------------------------------------------------------------------------
 
 
@@ -493,7 +493,7 @@ def test_fused_projection_equals_separate_linears_with_gradients(heads, shared, 
 
 
 def test_fused_path_is_taken_and_wrapped_projections_fall_back(monkeypatch):
-    import moh_dit.transformer_moh_dit as tm
+    import moh_dit.models.transformer_moh_dit as tm
 
     calls = []
     real = tm.fused_dense_masked_attention

@@ -86,3 +86,25 @@ def test_module_and_function_sizes():
                 if length > 80:
                     too_long.append(f"{name}.{node.name}: {length} lines")
     assert not too_long, too_long
+
+
+def test_old_flat_import_paths_still_work_with_a_deprecation_warning():
+    """The flat layout's module paths load the module at its new place, and say so."""
+    import importlib
+    import sys
+    import warnings
+
+    import moh_dit
+    from moh_dit._compat import MOVED
+
+    for old, new in MOVED.items():
+        sys.modules.pop(f"moh_dit.{old}", None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(f"moh_dit.{old}")
+        assert module is importlib.import_module(f"moh_dit.{new}"), old
+        assert module.__spec__.name == f"moh_dit.{new}", old  # the alias leaves the module as it was
+        assert any(issubclass(w.category, DeprecationWarning) and f"moh_dit.{new}" in str(w.message) for w in caught), old
+    from moh_dit.presets import get_preset  # noqa: F401  (the `from ... import` form)
+
+    assert moh_dit.flops is importlib.import_module("moh_dit.models.flops")

@@ -17,8 +17,8 @@ from torch import nn
 
 from moh_dit import MoHDiTTransformer2DModel
 from moh_dit import evaluation as ev
-from moh_dit.sampling import SampleSettings, load_pipeline, png_path, quantize_dit
-from moh_dit.sweep import (
+from moh_dit.sampling.sample import SampleSettings, load_pipeline, png_path, quantize_dit
+from moh_dit.sampling.sweep import (
     PLOT_PANELS,
     SweepRow,
     SweepSettings,
@@ -293,7 +293,7 @@ def test_class_accuracy_column_and_panel(model_dir, reference_dir, tmp_path):
     """With a classifier each row gets the class accuracy of its images (the same number as
     classifying the saved PNGs with their labels, class i mod num_classes), a table column,
     a CSV value and a second plot panel."""
-    from moh_dit.classifier import SampleClassifier, SmallCNN
+    from moh_dit.evaluation.classifier import SampleClassifier, SmallCNN
     from moh_dit.evaluation import class_accuracy
 
     torch.manual_seed(0)

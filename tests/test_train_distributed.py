@@ -66,6 +66,7 @@ def images(tmp_path):
     return tmp_path / "data"
 
 
+@pytest.mark.slow
 def test_two_processes_killed_run_resumes_exactly_and_holds_its_folder(tmp_path, images):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     # The uninterrupted reference and the run to be killed, side by side.

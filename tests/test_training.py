@@ -17,7 +17,7 @@ import moh_dit.training as training
 import moh_dit.training.checkpoints as training_checkpoints
 import moh_dit.training.loop as training_loop
 from moh_dit import MoHDiTTransformer2DModel
-from moh_dit.diffusion import create_diffusion
+from moh_dit.diffusion.gaussian_diffusion import create_diffusion
 from moh_dit.training import TrainConfig, TrainingDivergedError, find_latest_checkpoint, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def test_vae_and_latent_cache_training(tmp_path, data, tiny_vae):
     model = MoHDiTTransformer2DModel.from_pretrained(final)
     assert model.config.in_channels == 4 and model.config.sample_size == 8
 
-    from moh_dit.latents import extract_latents
+    from moh_dit.data.latents import extract_latents
 
     extract_latents(data, vae_dir, image_size=16, output_dir=tmp_path / "latents", batch_size=4, num_workers=0, progress=False)
     final = train(config(tmp_path, None, data_dir=None, latents_dir=str(tmp_path / "latents"), max_steps=2,
@@ -83,8 +83,8 @@ def test_vae_and_latent_cache_training(tmp_path, data, tiny_vae):
 
 def test_cache_and_on_the_fly_give_the_same_loss(tmp_path, data, tiny_vae):
     """Same image, flip and posterior mean -> same diffusion loss, whichever path made the latent."""
-    from moh_dit.data import ImageFolderDataset
-    from moh_dit.latents import LatentDataset, extract_latents, load_vae
+    from moh_dit.data.datasets import ImageFolderDataset
+    from moh_dit.data.latents import LatentDataset, extract_latents, load_vae
 
     vae_dir = tmp_path / "vae"
     tiny_vae().save_pretrained(vae_dir)
@@ -258,6 +258,7 @@ def test_empty_data_folder_is_a_clear_error(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_cli_rejects_unknown_preset_and_dry_run_prints_config(tmp_path, data):
     script = ROOT / "scripts" / "train.py"
     res = subprocess.run([sys.executable, str(script), "--preset", "Nope", "--data-dir", str(data), "--output-dir",
@@ -619,7 +620,7 @@ def test_a_file_system_without_locks_is_a_clear_error(tmp_path, data, load_scrip
 @pytest.fixture(scope="module")
 def upcycled(tmp_path_factory, randomize):
     """A randomized dense DiT-Tiny for the 16 px, 3-class data, upcycled to MoH-DiT-Tiny-up75."""
-    from moh_dit.upcycle import save_upcycled, upcycle
+    from moh_dit.hub.upcycle import save_upcycled, upcycle
 
     dense = randomize(MoHDiTTransformer2DModel.from_preset("DiT-Tiny", sample_size=16, num_classes=3,
                                                             class_names=["blue", "green", "red"]), seed=7)

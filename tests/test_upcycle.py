@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 
 from moh_dit import MoHDiTTransformer2DModel
-from moh_dit.convert import model_to_release_state_dict
-from moh_dit.presets import PRESETS, UPCYCLED_PRESETS, head_activation_ratio_of_config
-from moh_dit.upcycle import (REPORT_FILE, choose_heads, dense_forward_with_head_mask, first_forward_gap,
+from moh_dit.hub.convert import model_to_release_state_dict
+from moh_dit.models.presets import PRESETS, UPCYCLED_PRESETS, head_activation_ratio_of_config
+from moh_dit.hub.upcycle import (REPORT_FILE, choose_heads, dense_forward_with_head_mask, first_forward_gap,
                              head_importance, resolve_layout, routing_head_masks, transfer_weights, upcycle)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -163,7 +163,7 @@ def test_bad_layouts_are_refused(dense):
 def test_upcycled_model_saves_loads_and_samples_at_any_ratio(dense, tmp_path, tiny_pipe):
     from moh_dit import MoHDiTPipeline
     from moh_dit.pipelines.pipeline_moh_dit import make_scheduler
-    from moh_dit.upcycle import save_upcycled
+    from moh_dit.hub.upcycle import save_upcycled
 
     moh, report = upcycle(dense, 0.75)
     save_upcycled(moh, report, tmp_path / "up")
@@ -253,6 +253,7 @@ TINY_DEMO = ["--dense-steps", "2", "--continue-steps", "2", "--router-warmup-ste
              "--calibration-batches", "1"]
 
 
+@pytest.mark.slow
 def test_upcycle_demo_smoke(tmp_path, load_script, capsys):
     """The whole demo at tiny counts: five models, one table, same seeds; a rerun with other
     settings into the same folder is refused."""

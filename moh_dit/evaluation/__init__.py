@@ -43,9 +43,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..classifier import SampleClassifier
-from ..data import IMG_EXTENSIONS
-from ..runtime import tf32_disabled
+from .classifier import SampleClassifier
+from ..data.datasets import IMG_EXTENSIONS
+from ..utils.runtime import tf32_disabled
 from .class_accuracy import (
     ClassAccuracy,
     ClassAccuracyMeter,
@@ -221,7 +221,7 @@ def evaluate(
     (``--allow-resolution-mismatch``) evaluates anyway and records it in the result. A reference
     holding statistics only (no images) has no known resolution; the result's notes say so.
 
-    With a ``classifier`` (:func:`moh_dit.classifier.load_classifier`) and the samples'
+    With a ``classifier`` (:func:`moh_dit.evaluation.classifier.load_classifier`) and the samples'
     ``labels`` (one per sample, in order), the result also holds the class accuracy of the
     samples, overall and per class, computed in the same pass over the images
     (:mod:`.class_accuracy`; ``class_map`` and ``class_names`` as for

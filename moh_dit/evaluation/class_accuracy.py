@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..classifier import SampleClassifier
+from .classifier import SampleClassifier
 from .sources import zip_member_names
 
 __all__ = ["ClassAccuracy", "ClassAccuracyMeter", "check_class_names", "class_accuracy", "read_class_map",

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..runtime import tf32_disabled
+from ..utils.runtime import tf32_disabled
 from .sources import open_image_source
 
 __all__ = [

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..io_utils import atomic_write, sha256_file
-from ..runtime import tf32_disabled
+from ..utils.io import atomic_write, sha256_file
+from ..utils.runtime import tf32_disabled
 from .features import FeatureExtractor, InceptionFeatures
 from .sources import PathLike
 

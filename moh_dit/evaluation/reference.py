@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..io_utils import atomic_write
+from ..utils.io import atomic_write
 from .features import extract_features, extractor_identity
 from .frechet import FeatureStatistics, compute_statistics
 from .sources import FolderImageSource, ImageSource, NpzImageSource, PathLike, zip_member_names

@@ -1,7 +1,7 @@
 """Image sources: where the images to evaluate come from, as square RGB uint8 batches.
 
 An ADM-style ``.npz`` (``arr_0``, streamed from the zip without loading it), a folder of
-image files (read with the package's one scan and loader, :mod:`moh_dit.data`), an in-memory
+image files (read with the package's one scan and loader, :mod:`moh_dit.data.datasets`), an in-memory
 array or tensor, or an iterable of batches (e.g. straight from a sampling pipeline). Each
 source checks what it can before any image is decoded, so bad inputs fail before the
 expensive feature extraction.
@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Union
 import numpy as np
 import torch
 
-from ..data import IMG_EXTENSIONS, CorruptImageError, load_image, read_image_size, scan_image_files
+from ..data.datasets import IMG_EXTENSIONS, CorruptImageError, load_image, read_image_size, scan_image_files
 
 __all__ = [
     "FolderImageSource",
@@ -221,11 +221,11 @@ def _stack_images(arrays: list[np.ndarray]) -> torch.Tensor:
 
 
 class FolderImageSource(ImageSource):
-    """All images under a folder (recursive, :data:`moh_dit.data.IMG_EXTENSIONS`), sorted by relative path.
+    """All images under a folder (recursive, :data:`moh_dit.data.datasets.IMG_EXTENSIONS`), sorted by relative path.
 
-    The folder is scanned by :func:`moh_dit.data.scan_image_files` (hidden names ignored, links
+    The folder is scanned by :func:`moh_dit.data.datasets.scan_image_files` (hidden names ignored, links
     to folders followed, no folder entered twice) and images are read by
-    :func:`moh_dit.data.load_image` (grey, CMYK, palette and 16-bit files are converted to 8-bit
+    :func:`moh_dit.data.datasets.load_image` (grey, CMYK, palette and 16-bit files are converted to 8-bit
     RGB keeping their values; alpha is dropped, as ADM's ``convert("RGB")``). All images must be
     square and of one size; each header is read up front so a bad file fails early.
     """

@@ -23,8 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ..data import ResumableSampler
-from ..io_utils import sha256_file, write_json_atomic
+from ..data.datasets import ResumableSampler
+from ..utils.io import sha256_file, write_json_atomic
 from .config import TrainConfig
 from .errors import CheckpointIntegrityError, warn
 from .processes import everywhere, on_main

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..presets import PRESETS
-from ..speed import COMPILE_MODES
+from ..models.presets import PRESETS
+from ..utils.speed import COMPILE_MODES
 
 DIFFUSION_STEPS = 1000
 
@@ -62,7 +62,7 @@ class TrainConfig:
     router_warmup_steps: int = 0  # only router parameters train for the first N steps
     compile: bool = False  # torch.compile the transformer (in place: checkpoints keep its keys)
     compile_per_block: bool = False  # compile each block instead of the whole forward (shorter compile)
-    compile_mode: str | None = None  # torch.compile's mode (moh_dit.speed.COMPILE_MODES); None: its default
+    compile_mode: str | None = None  # torch.compile's mode (moh_dit.utils.speed.COMPILE_MODES); None: its default
 
     def validate(self, num_processes: int | None = None) -> None:
         """Every check that needs no data or model, so bad input fails before any work and

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..io_utils import atomic_write
+from ..utils.io import atomic_write
 from .checkpoints import Parts, save_checkpoint
 from .config import TrainConfig
 from .errors import TrainingDivergedError
@@ -94,7 +94,7 @@ class LoopContext:
     log_with: str | None
     last_checkpoint: str | Path | None
     held_in_warmup: list[torch.nn.Parameter] = field(default_factory=list)  # all but the routers (router warm-up)
-    flops_per_image: int | None = None  # one training step's FLOPs per image (moh_dit.speed), for MFU
+    flops_per_image: int | None = None  # one training step's FLOPs per image (moh_dit.utils.speed), for MFU
     peak_flops: float | None = None  # one device's peak FLOP/s; None: no MFU
 
 

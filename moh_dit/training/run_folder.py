@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..data import write_class_index
-from ..io_utils import FileLockedError, lock_file, write_json_atomic, write_lines_atomic, write_lock_info
+from ..data.datasets import write_class_index
+from ..utils.io import FileLockedError, lock_file, write_json_atomic, write_lines_atomic, write_lock_info
 from .checkpoints import (COMPLETE_MARKER, checkpoint_folders, checkpoint_run_id, complete_checkpoints,
                           verify_checkpoint)
 from .config import TrainConfig, data_source

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ..data import ImageFolderDataset, ResumableSampler, collate_skip_corrupt, write_class_index
-from ..diffusion import create_diffusion
-from ..io_utils import publish_folder
-from ..latents import LatentDataset, load_vae, vae_downsample_factor
-from ..presets import resolve_layer_layout
-from ..runtime import set_tf32
-from ..speed import compile_model, peak_flops, training_flops_per_image
-from ..transformer_moh_dit import MoHDiTTransformer2DModel
+from ..data.datasets import ImageFolderDataset, ResumableSampler, collate_skip_corrupt, write_class_index
+from ..diffusion.gaussian_diffusion import create_diffusion
+from ..utils.io import publish_folder
+from ..data.latents import LatentDataset, load_vae, vae_downsample_factor
+from ..models.presets import resolve_layer_layout
+from ..utils.runtime import set_tf32
+from ..utils.speed import compile_model, peak_flops, training_flops_per_image
+from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 from .checkpoints import Parts, TrainState, load_checkpoint
 from .config import TrainConfig
 from .errors import warn

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from .io_utils import publish_folder
-from .output_folders import check_folder_path
-from .presets import PRESETS, get_preset
-from .transformer_moh_dit import MoHDiTTransformer2DModel
+from ..utils.io import publish_folder
+from ..utils.output_folders import check_folder_path
+from ..models.presets import PRESETS, get_preset
+from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 
 __all__ = [
     "ConversionError",

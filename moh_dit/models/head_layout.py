@@ -1,6 +1,6 @@
 """Per-layer routed top-K for a head activation ratio: pure functions of a layer layout.
 
-``MoHDiTTransformer2DModel.set_head_activation_ratio`` and ``moh_dit.flops`` (for config dicts,
+``MoHDiTTransformer2DModel.set_head_activation_ratio`` and ``moh_dit.models.flops`` (for config dicts,
 without building a model) both use :func:`top_k_for_ratio`, so the rule lives here, apart
 from the model; ``transformer_moh_dit`` re-exports both names. Imports nothing from the
 package.

@@ -17,7 +17,7 @@ that exists is complete). The up-to-50k images are finally streamed into one ADM
     write_adm_npz("samples/xl-90", settings.num_samples)
 
 To run a model at another head activation ratio for a while, use
-``with head_activation(model, ratio):`` (``moh_dit.head_activation``, re-exported here): the
+``with head_activation(model, ratio):`` (``moh_dit.models.head_activation``, re-exported here): the
 pipeline's ``head_activation_ratio=`` and :func:`preview_head_activation` both go through it,
 and it restores the model's per-layer top-K on exit, also on error.
 """
@@ -39,12 +39,12 @@ import PIL.Image
 import torch
 from tqdm.auto import tqdm
 
-from .head_activation import head_activation, preview_head_activation
-from .io_utils import atomic_write, write_json_atomic
-from .latents import load_vae
-from .output_folders import check_folder_path
-from .pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, SEED_RANGE, MoHDiTPipeline, make_scheduler
-from .transformer_moh_dit import MoHDiTTransformer2DModel
+from ..models.head_activation import head_activation, preview_head_activation
+from ..utils.io import atomic_write, write_json_atomic
+from ..data.latents import load_vae
+from ..utils.output_folders import check_folder_path
+from ..pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, SEED_RANGE, MoHDiTPipeline, make_scheduler
+from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 
 __all__ = [
     "CLASS_LABEL_MODES",

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .io_utils import publish_folder, write_json_atomic
-from .output_folders import check_output_folder
+from ..utils.io import publish_folder, write_json_atomic
+from ..utils.output_folders import check_output_folder
 
 __all__ = ["DEMO_SHAPES", "DEMO_COLOURS", "demo_classes", "render_demo_image", "make_demo_dataset"]
 

@@ -1,7 +1,7 @@
 """Share a trained MoH-DiT like any diffusers model: a pipeline folder that carries its own code.
 
 :func:`export_pipeline` (``scripts/export_pipeline.py``) loads a model the way
-``moh_dit.sampling.load_pipeline`` does and writes a folder that
+``moh_dit.sampling.sample.load_pipeline`` does and writes a folder that
 ``diffusers.DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)`` loads without
 moh-dit installed, through diffusers' custom-pipeline and custom-component files::
 
@@ -11,11 +11,11 @@ moh-dit installed, through diffusers' custom-pipeline and custom-component files
     transformer/              config.json, diffusion_pytorch_model[.VARIANT].safetensors,
                               transformer_moh_dit.py (the transformer and its modules, in one file)
     scheduler/, vae/          as save_pretrained writes them (no vae/ for pixel-space models)
-    README.md                 the model card (moh_dit.model_card)
+    README.md                 the model card (moh_dit.hub.model_card)
     export_info.json          what wrote the folder, from what, and the code files' SHA-256
 
 The two ``.py`` files are built from the package's source at export time by
-:func:`moh_dit.bundle.bundle_module`, so they cannot drift from it. With moh-dit installed,
+:func:`moh_dit.hub.bundle.bundle_module`, so they cannot drift from it. With moh-dit installed,
 ``MoHDiTPipeline.from_pretrained(folder)`` and ``load_pipeline(folder)`` load the same
 weights with the package's own classes, without running the folder's files.
 
@@ -37,14 +37,14 @@ import diffusers
 import torch
 from tqdm.auto import tqdm
 
-from . import __version__
+from .. import __version__
 from .bundle import bundle_module
-from .io_utils import publish_folder, sha256_file, write_bytes_atomic, write_json_atomic
+from ..utils.io import publish_folder, sha256_file, write_bytes_atomic, write_json_atomic
 from .model_card import model_card
-from .output_folders import check_output_folder
-from .sampling import check_model_flags, load_pipeline
-from .sweep_results import JSON_FILE as SWEEP_JSON
-from .training.run_folder import RUN_RECORD
+from ..utils.output_folders import check_output_folder
+from ..sampling.sample import check_model_flags, load_pipeline
+from ..sampling.sweep_results import JSON_FILE as SWEEP_JSON
+from ..training.run_folder import RUN_RECORD
 
 __all__ = [
     "VARIANTS",
@@ -65,7 +65,7 @@ VARIANTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 PIPELINE_MODULE = "pipeline_moh_dit"
 TRANSFORMER_MODULE = "transformer_moh_dit"
 INFO_FILE = "export_info.json"
-EXPORTED_BY = "moh_dit.export"
+EXPORTED_BY = "moh_dit.hub.export"
 _METRIC_KEYS = ("fid", "sfid", "inception_score", "precision", "recall")
 # Weight formats that unpickle (run code) on load; an export holds safetensors only.
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -144,7 +144,7 @@ def read_metrics(path: str | os.PathLike) -> dict[str, Any]:
 
 def read_sweep(path: str | os.PathLike) -> dict[str, Any]:
     """``--sweep``: a head-ratio sweep's output folder (or its ``sweep.json``), as
-    ``moh_dit.sweep_results.write_sweep`` writes it: ``settings`` and one row per ratio."""
+    ``moh_dit.sampling.sweep_results.write_sweep`` writes it: ``settings`` and one row per ratio."""
     path = Path(path)
     file = path / SWEEP_JSON if path.is_dir() else path
     advice = f"the output folder of scripts/sweep_head_ratio.py (it holds {SWEEP_JSON})"
@@ -197,7 +197,7 @@ def _write_code(folder: Path) -> dict[str, list[str]]:
     """The pipeline's and the transformer's one-file modules; returns file -> bundled modules."""
     written = {}
     for file, entry in ((f"{PIPELINE_MODULE}.py", "moh_dit.pipelines.pipeline_moh_dit"),
-                        (f"transformer/{TRANSFORMER_MODULE}.py", "moh_dit.transformer_moh_dit")):
+                        (f"transformer/{TRANSFORMER_MODULE}.py", "moh_dit.models.transformer_moh_dit")):
         bundle = bundle_module(entry, __version__)
         write_bytes_atomic(folder / file, bundle.source.encode("utf-8"))
         written[file] = list(bundle.modules)

@@ -12,7 +12,7 @@ grow with ``num_samples``.
 
 ``scripts/sweep_head_ratio.py`` is the command-line front; everything here is callable::
 
-    >>> from moh_dit.sweep import run_sweep, write_sweep
+    >>> from moh_dit.sampling.sweep import run_sweep, write_sweep
     >>> result = run_sweep("moh-dit-xl-2-90-pipeline", ratios=("trained", 1.0, 0.75, 0.6, "min"),
     ...                    reference="VIRTUAL_imagenet256_labeled.npz", num_samples=10_000,
     ...                    num_inference_steps=250, guidance_scale=1.5, device="cuda")
@@ -22,8 +22,8 @@ grow with ``num_samples``.
 The steps of :func:`sweep_head_activation` (``run_sweep`` takes its settings as keywords):
 plan the ratios (:func:`plan_ratios`, :func:`check_plans`), compute the reference statistics
 once, sample and evaluate each ratio, assemble the :class:`SweepResult`; what it produces and
-how it is written lives in ``moh_dit.sweep_results`` (re-exported here). Attention FLOPs come
-from ``moh_dit.flops``, the package's one FLOP account.
+how it is written lives in ``moh_dit.sampling.sweep_results`` (re-exported here). Attention FLOPs come
+from ``moh_dit.models.flops``, the package's one FLOP account.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import flops
-from .classifier import SampleClassifier, load_classifier
-from .evaluation import (
+from ..models import flops
+from ..evaluation.classifier import SampleClassifier, load_classifier
+from ..evaluation import (
     ADM_K,
     EvaluationResult,
     ReferenceStatistics,
@@ -56,9 +56,9 @@ from .evaluation import (
     load_inception,
     load_reference,
 )
-from .pipelines.pipeline_moh_dit import MoHDiTPipeline
-from .output_folders import check_folder_path as _refuse_file_path
-from .sampling import (
+from ..pipelines.pipeline_moh_dit import MoHDiTPipeline
+from ..utils.output_folders import check_folder_path as _refuse_file_path
+from .sample import (
     SampleSettings,
     check_settings,
     class_labels_for,
@@ -81,7 +81,7 @@ from .sweep_results import (
     plot_fid_vs_ratio,
     write_sweep,
 )
-from .transformer_moh_dit import MoHDiTTransformer2DModel
+from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 
 __all__ = [
     "DEFAULT_RATIOS",
@@ -160,7 +160,7 @@ def _label(ratio: float | str) -> str:
 
 def layer_attention_flops(tokens: int, hidden: int, heads: int, head_dim: int, active_heads: int) -> tuple[int, int]:
     """(ideal head-sparse, dense) FLOPs of one attention layer for one image, exact integers:
-    :func:`moh_dit.flops.attention_flops` at ``r = active_heads / heads`` and at ``r = 1``
+    :func:`moh_dit.models.flops.attention_flops` at ``r = active_heads / heads`` and at ``r = 1``
     (docs/flops.md). Routers, softmax and gating are not counted.
     """
     if not 0 <= active_heads <= heads:
@@ -174,7 +174,7 @@ def attention_flops(transformer: MoHDiTTransformer2DModel, top_k: Sequence[int] 
     """(ideal head-sparse, dense) attention FLOPs of one forward pass for one image.
 
     Layer l has ``hs_l + K_l`` active heads of ``h_l`` (every head for a dense DiT); ``top_k``
-    defaults to the model's current per-layer top-K (:func:`moh_dit.flops.model_attention_flops`).
+    defaults to the model's current per-layer top-K (:func:`moh_dit.models.flops.model_attention_flops`).
     """
     return flops.model_attention_flops(transformer, top_k)
 
@@ -244,21 +244,21 @@ def plan_ratios(transformer: MoHDiTTransformer2DModel, ratios: Sequence[float | 
 
 @dataclass
 class SweepSettings:
-    """How a sweep runs, beyond what decides the images (:class:`~moh_dit.sampling.SampleSettings`).
+    """How a sweep runs, beyond what decides the images (:class:`~moh_dit.sampling.sample.SampleSettings`).
 
     ``batch_size``: images per sampling batch; ``eval_batch_size``: images per feature
     extractor pass. ``attention``: ``"auto"`` (the model's setting), ``"masked"`` or
     ``"sparse"`` (see ``ATTENTION_PATHS``); it matters for the wall time only.
     ``save_samples`` writes each ratio's PNGs to ``output_dir/ratio_X/samples/`` (the layout
-    of ``moh_dit.sampling``) as they are made. ``cache_dir`` / ``use_cache``: where the
+    of ``moh_dit.sampling.sample``) as they are made. ``cache_dir`` / ``use_cache``: where the
     reference statistics are cached. ``warm_up``: one untimed single-step batch before each
     ratio's timed sampling. Unless :func:`sweep_head_activation` is given an extractor, the
     published TF Inception is used (``inception_weights`` or the usual search, a download if
     ``download``; a missing file raises ``InceptionWeightsNotFoundError``), or, only when asked
     with ``random_inception_seed``, a random Inception whose numbers are labelled not
     comparable. ``vae``, ``scheduler``, ``dtype``: how a model folder is loaded
-    (:func:`moh_dit.sampling.load_pipeline`); unused for a pipeline object. ``classifier``:
-    a :class:`~moh_dit.classifier.SampleClassifier`, a folder from ``train_classifier`` or
+    (:func:`moh_dit.sampling.sample.load_pipeline`); unused for a pipeline object. ``classifier``:
+    a :class:`~moh_dit.evaluation.classifier.SampleClassifier`, a folder from ``train_classifier`` or
     ``"torchvision:NAME"`` (with ``classifier_weights``), to add each ratio's class accuracy.
 
     Checked when made (ValueError naming the field); nothing is loaded or written.

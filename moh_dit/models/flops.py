@@ -8,7 +8,7 @@ are counted (biases, norms, softmaxes, activations, gating and the einsum that u
 are not), which is what ``torch.utils.flop_counter.FlopCounterMode`` and the DiT paper's
 GFLOPs (multiply-adds, so half these numbers) count.
 
-``sparse_attention.ideal_flop_ratio`` and the sweep's FLOP columns (``moh_dit.sweep``) are
+``sparse_attention.ideal_flop_ratio`` and the sweep's FLOP columns (``moh_dit.sampling.sweep``) are
 computed here. This module imports only ``presets``, ``head_activation`` and ``head_layout``
 from the package (no model code), so the model's own modules may use it; a config dict is
 counted at any ratio with the model's top-K rule (``head_layout.top_k_for_ratio``).

@@ -2,7 +2,7 @@
 ratio, the :class:`SweepResult` with the settings, and :func:`write_sweep`'s three files
 (``sweep.json``, ``sweep.csv`` and the ``fid_vs_ratio.png`` plot, drawn with matplotlib).
 
-``moh_dit.sweep`` runs the sweep and re-exports everything here.
+``moh_dit.sampling.sweep`` runs the sweep and re-exports everything here.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Sequence, Union
 import numpy as np
 import PIL.Image
 
-from .io_utils import write_bytes_atomic, write_json_atomic
+from ..utils.io import write_bytes_atomic, write_json_atomic
 
 __all__ = [
     "JSON_FILE",

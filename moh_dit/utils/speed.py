@@ -1,7 +1,7 @@
 """Speed helpers: the hardware's peak FLOP/s for MFU, training FLOPs, and torch.compile.
 
 MFU (model FLOPs utilisation) is the FLOPs a step needs divided by what the device could
-do in that time. The step's FLOPs come from :mod:`moh_dit.flops` (training = 3 x forward:
+do in that time. The step's FLOPs come from :mod:`moh_dit.models.flops` (training = 3 x forward:
 the backward pass costs two forwards, one for the activations' gradients and one for the
 weights'). The peak comes from :data:`GPU_PEAK_TFLOPS`, the vendors' dense (no sparsity)
 tensor-core figures for a few GPUs by name, or, for any other device (the CPU included), from
@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .flops import forward_flops
+from ..models.flops import forward_flops
 
 __all__ = ["GPU_PEAK_TFLOPS", "COMPILE_MODES", "peak_flops", "measure_matmul_flops", "training_flops_per_image",
            "compile_model"]

@@ -28,11 +28,11 @@ from typing import Any, Sequence
 import torch
 
 from .convert import _check_output, convert_checkpoint
-from .diffusion import create_diffusion
-from .io_utils import publish_folder, write_json_atomic
-from .presets import PRESETS, UPCYCLED_PRESETS, resolve_layer_layout
-from .sparse_attention import MoHRouting, dense_masked_attention
-from .transformer_moh_dit import MoHDiTTransformer2DModel
+from ..diffusion.gaussian_diffusion import create_diffusion
+from ..utils.io import publish_folder, write_json_atomic
+from ..models.presets import PRESETS, UPCYCLED_PRESETS, resolve_layer_layout
+from ..models.sparse_attention import MoHRouting, dense_masked_attention
+from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 
 __all__ = ["LayerChoice", "UpcycleReport", "load_dense", "resolve_layout", "calibration_batches", "head_importance",
            "choose_heads", "transfer_weights", "dense_forward_with_head_mask", "routing_head_masks",
@@ -105,7 +105,7 @@ def load_dense(source: Any, preset: str | None = None, weights: str = "ema", sam
     """The dense model and a name for it: a dense ``MoHDiTTransformer2DModel``, a folder it was
     saved to (``save_pretrained``, e.g. a training run's ``final``, or a pipeline folder holding
     one as ``transformer/``), or anything
-    ``moh_dit.convert.convert_checkpoint`` reads for the dense ``preset``."""
+    ``moh_dit.hub.convert.convert_checkpoint`` reads for the dense ``preset``."""
     if isinstance(source, MoHDiTTransformer2DModel):
         model, name = source, "the given model"
     else:
@@ -190,8 +190,8 @@ def resolve_layout(dense: MoHDiTTransformer2DModel, activation: float | None = N
 
 def _dataset(model: MoHDiTTransformer2DModel, path: Path, vae: Any, seed: int):
     """A latent cache, or an ImageFolder (pixels, or latents through ``vae``), matched to the model."""
-    from .data import ImageFolderDataset
-    from .latents import LatentDataset, load_vae, vae_downsample_factor
+    from ..data.datasets import ImageFolderDataset
+    from ..data.latents import LatentDataset, load_vae, vae_downsample_factor
 
     size, channels = model.config.sample_size, model.config.in_channels
     if (path / "index.json").is_file():

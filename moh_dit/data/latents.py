@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .data import (
+from .datasets import (
     _NOISE_STREAM,
     CorruptImageError,
     ON_CORRUPT,
@@ -45,8 +45,8 @@ from .data import (
     item_rng,
     load_image,
 )
-from .io_utils import publish_folder, write_json_atomic
-from .output_folders import check_output_folder
+from ..utils.io import publish_folder, write_json_atomic
+from ..utils.output_folders import check_output_folder
 
 __all__ = [
     "LATENT_FORMAT",
@@ -448,7 +448,7 @@ class LatentDataset(Dataset):
     Args:
         root: cache folder written by :func:`extract_latents`.
         random_flip: use the flipped view with probability 1/2, decided by
-            ``flip_for(seed, epoch, index)`` exactly as :class:`~moh_dit.data.ImageFolderDataset`.
+            ``flip_for(seed, epoch, index)`` exactly as :class:`~moh_dit.data.datasets.ImageFolderDataset`.
         seed: seed of flips and latent noise.
         sample_posterior: return ``mean + std * eps`` (DiT's ``latent_dist.sample()``);
             False returns the mean.

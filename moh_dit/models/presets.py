@@ -197,7 +197,7 @@ def head_activation_ratio_of_config(config: dict[str, Any]) -> float:
 
 # --------------------------------------------------------------------------------------
 # Upcycled layouts: MoH layouts that keep a dense DiT's head count in every layer, so that
-# ``moh_dit.upcycle`` can carry every dense weight over (docs/upcycling.md). The paper's
+# ``moh_dit.hub.upcycle`` can carry every dense weight over (docs/upcycling.md). The paper's
 # MoH-DiT presets change the head count per layer and cannot take dense weights. As in the
 # paper's layouts, the first layers keep every head and the later ones route; the routed
 # pools (E routed heads, top-K) are the paper's: XL-75 has E=6, K=2 in layers 9-18 and

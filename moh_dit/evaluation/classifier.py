@@ -31,9 +31,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from .data import center_crop_arr, find_image_folder, image_to_tensor, load_image, write_class_index
-from .io_utils import publish_folder, write_json_atomic
-from .output_folders import check_output_folder
+from ..data.datasets import center_crop_arr, find_image_folder, image_to_tensor, load_image, write_class_index
+from ..utils.io import publish_folder, write_json_atomic
+from ..utils.output_folders import check_output_folder
 
 __all__ = [
     "ClassifierNotFoundError",

@@ -37,7 +37,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, Sampler, default_collate
 
-from .io_utils import write_json_atomic
+from ..utils.io import write_json_atomic
 
 __all__ = [
     "IMG_EXTENSIONS",

@@ -80,7 +80,7 @@ _JAGGED_TAKES_SEQLEN = "max_seqlen" in inspect.signature(torch.nested.nested_ten
 def ideal_flop_ratio(tokens: int, hidden: int, inner: int, ratio: float) -> float:
     """Head-sparse / dense FLOPs of one attention layer when a fraction ``ratio`` of the
     (token, head) pairs is active: Q and output projections and the attention core scale
-    with ``ratio``, K and V projections do not (:func:`moh_dit.flops.attention_flops`;
+    with ``ratio``, K and V projections do not (:func:`moh_dit.models.flops.attention_flops`;
     docs/design.md, section 4)."""
     return attention_flops(tokens, hidden, inner, ratio) / attention_flops(tokens, hidden, inner)
 

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import diffusers
 from huggingface_hub import ModelCardData
 
-from .presets import PRESETS, resolve_layer_layout
+from ..models.presets import PRESETS, resolve_layer_layout
 
 __all__ = ["PIPELINE_TAG", "TAGS", "CITATION", "match_presets", "model_card"]
 

@@ -1,7 +1,7 @@
 """Which output folder a dataset writer (the demo dataset, the latent cache) may create or replace.
 
 Both build their output in a temporary sibling and publish it with
-:func:`moh_dit.io_utils.publish_folder`; this is the check they run first, before any work:
+:func:`moh_dit.utils.io.publish_folder`; this is the check they run first, before any work:
 ``--overwrite`` replaces only a folder the same writer made (or an empty one), never a file
 or an unrelated folder, and a file where a parent folder must be created is refused up front.
 """
