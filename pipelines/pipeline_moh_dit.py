@@ -5,15 +5,17 @@ Follows diffusers' ``DiTPipeline`` (one ``__call__``, ``randn_tensor`` with gene
 
 * the null class comes from the model config (``num_classes``), not a hard-coded 1000;
 * ``id2label`` is part of the pipeline config, so it is saved in ``model_index.json`` and
-  restored; labels can be given as names (case-insensitive, close names suggested);
+  restored; labels can be given as names (case-insensitive, close names suggested; see
+  :mod:`moh_dit.pipelines.labels`);
 * classifier-free guidance on all eps channels (diffusers) or on the first three (the
   original DiT sampler), the variance channels always taken from the conditional half;
 * learned-sigma models run with DDPM ``learned_range`` (the paper's 250-step sampler) or
-  with DDIM / DPM-Solver on the eps half;
-* ``head_activation_ratio`` per call (restored afterwards) and the run's head usage;
+  with DDIM / DPM-Solver on the eps half (:mod:`moh_dit.diffusion.schedulers`);
+* ``head_activation_ratio`` per call (restored afterwards) and, on request, the run's head usage;
 * ``seeds``: one seed per image for the initial noise *and* every DDPM step's noise, so
   image ``i`` does not depend on the batch it was drawn in;
-* pixel-space models (no VAE) as well as latent ones.
+* pixel-space models (no VAE) as well as latent ones;
+* NaN / inf latents raise an error naming the first bad step (:mod:`moh_dit.pipelines.finite_watch`).
 
 The module path ``moh_dit.pipelines.pipeline_moh_dit`` is written into saved
 ``model_index.json`` files; keep it stable.
@@ -22,21 +24,15 @@ The module path ``moh_dit.pipelines.pipeline_moh_dit`` is written into saved
 from __future__ import annotations
 
 import contextlib
-import difflib
-import importlib
 import inspect
-import json
 import math
 import numbers
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import PIL.Image
 import torch
-from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 from diffusers.models import AutoencoderKL
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
@@ -44,8 +40,13 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
+# SCHEDULERS, make_scheduler, imagenet_id2label and NonFiniteLatentsError are also imported from
+# here by scripts and user code; they are defined in the modules they belong to.
+from moh_dit.diffusion.schedulers import SCHEDULERS, make_scheduler, uses_learned_variance
+from moh_dit.hub.export_format import load_export_components, read_export_index
 from moh_dit.models.head_activation import head_activation
-from moh_dit.models.transformer_moh_dit import MoHDiTTransformer2DModel
+from .finite_watch import FiniteWatch, NonFiniteLatentsError
+from .labels import LabelIndex, imagenet_id2label, resolve_id2label
 
 __all__ = [
     "MoHDiTPipeline",
@@ -58,14 +59,8 @@ __all__ = [
 
 GUIDANCE_CHANNELS = ("all", "dit")
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-SCHEDULERS = ("ddpm", "ddim", "dpm")
 # torch.Generator.manual_seed accepts exactly this range.
 SEED_RANGE = (-(2**63), 2**64 - 1)
-
-
-class NonFiniteLatentsError(ValueError):
-    """Sampling produced NaN or inf latents. A ValueError, so that the scripts report it as one
-    line: it comes from the settings (a guidance scale too large for float32) or the weights."""
 
 
 def _real(value: Any) -> float | None:
@@ -75,86 +70,6 @@ def _real(value: Any) -> float | None:
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
     return None
-
-
-class _FiniteWatch:
-    """Finds the first sampling step whose latents hold NaN or inf, without a per-step host sync
-    on accelerators.
-
-    On the CPU each step is checked as it finishes: reading the flag costs nothing there and a
-    doomed run stops at once. On CUDA (and any other device) ``bool(torch.isfinite(x).all())``
-    would wait for the GPU every step and stall the kernel queue, so the check stays on the
-    device: a 0-d tensor keeps the smallest bad step index (``torch.minimum`` with
-    ``torch.where``, no sync), and it is read once after the loop, where the final copy to the
-    host synchronises anyway. Either way the error names the first bad step.
-    """
-
-    def __init__(self, device: torch.device, num_steps: int, eager: bool | None = None):
-        self.eager = device.type == "cpu" if eager is None else eager
-        self.num_steps = num_steps
-        self.first_bad: int | torch.Tensor | None = (
-            None if self.eager else torch.full((), num_steps, dtype=torch.long, device=device)
-        )
-
-    def update(self, index: int, x: torch.Tensor) -> bool:
-        """Record step ``index``'s latents; True when the run should stop (CPU, bad step)."""
-        finite = torch.isfinite(x).all()
-        if self.eager:
-            if not bool(finite):
-                self.first_bad = index
-                return True
-            return False
-        self.first_bad = torch.minimum(self.first_bad, torch.where(finite, self.num_steps, index))
-        return False
-
-    def first_bad_step(self) -> int | None:
-        """The index of the first step with non-finite latents, or None."""
-        if self.first_bad is None:
-            return None
-        index = int(self.first_bad)
-        return None if index >= self.num_steps else index
-
-
-def imagenet_id2label() -> dict[int, str]:
-    """The ImageNet-1k class names shipped in ``moh_dit.assets`` (id -> name)."""
-    text = resources.files("moh_dit.assets").joinpath("imagenet1k_id2label.json").read_text(encoding="utf-8")
-    return {int(k): v for k, v in json.loads(text).items()}
-
-
-def make_scheduler(
-    kind: str = "ddpm",
-    clip_sample: bool = False,
-    num_train_timesteps: int = 1000,
-    beta_start: float = 1e-4,
-    beta_end: float = 0.02,
-) -> SchedulerMixin:
-    """A diffusers scheduler for the paper's diffusion (1000 linear betas 1e-4..0.02).
-
-    ``"ddpm"``: ancestral sampling with the model's learned-range variance, i.e. DiT's /
-    IDDPM's ``p_sample_loop`` (the paper's 250-step sampler). ``timestep_spacing="linspace"``
-    keeps ``round(linspace(0, T-1, n))``, which equals ADM's ``space_timesteps(T, n)`` for
-    round step counts (10, 25, 50, 100, 250, 500, ...); for some other counts a few kept
-    steps differ by one (pass ``timesteps=`` to the pipeline for an exact list).
-    ``"ddim"``: deterministic DDIM (eta via the pipeline), same spacing, final alpha 1.
-    ``"dpm"``: DPM-Solver++ (2nd order multistep). DDIM and DPM-Solver use the eps half only.
-
-    ``clip_sample`` clamps the predicted x0 to [-1, 1] (IDDPM's ``clip_denoised``). It is off
-    by default because DiT samples latents, which are not bounded (DiT's sample.py passes
-    ``clip_denoised=False``); pixel-space models trained on [-1, 1] images may turn it on.
-    """
-    common = dict(
-        num_train_timesteps=num_train_timesteps, beta_schedule="linear", beta_start=beta_start, beta_end=beta_end,
-        prediction_type="epsilon",
-    )
-    if kind == "ddpm":
-        return DDPMScheduler(**common, variance_type="learned_range", clip_sample=clip_sample, timestep_spacing="linspace")
-    if kind == "ddim":
-        return DDIMScheduler(**common, clip_sample=clip_sample, set_alpha_to_one=True, steps_offset=0, timestep_spacing="linspace")
-    if kind == "dpm":
-        if clip_sample:
-            raise ValueError("DPM-Solver has no x0 clipping; use clip_sample=False (or its `thresholding`).")
-        return DPMSolverMultistepScheduler(**common, algorithm_type="dpmsolver++", solver_order=2, timestep_spacing="linspace")
-    raise ValueError(f"Unknown scheduler kind {kind!r}; choose one of {SCHEDULERS}.")
 
 
 @dataclass
@@ -167,12 +82,13 @@ class MoHDiTPipelineOutput(BaseOutput):
         head_activation_ratio: the head-weighted activation ratio the run used.
         head_usage: one (h_l,) float tensor per layer (CPU): the fraction of tokens that
             used each head, averaged over all transformer calls of the run (for guided runs
-            this includes the unconditional half). Shared heads are 1.0.
+            this includes the unconditional half). Shared heads are 1.0. None when the call
+            passed ``output_head_usage=False``.
     """
 
     images: list[PIL.Image.Image] | np.ndarray | torch.Tensor
     head_activation_ratio: float
-    head_usage: list[torch.Tensor]
+    head_usage: list[torch.Tensor] | None
 
 
 @dataclass
@@ -185,6 +101,7 @@ class _SamplingRun:
     guidance_scale: float
     num_guided: int  # eps channels that guidance acts on
     use_variance: bool  # the scheduler consumes the variance channels (DDPM learned range)
+    output_head_usage: bool  # the model computes its routing statistics only when asked
     step_kwargs: dict[str, Any]
 
 
@@ -242,10 +159,10 @@ class MoHDiTPipeline(DiffusionPipeline):
                 "(e.g. AutoencoderKL.from_pretrained('stabilityai/sd-vae-ft-ema')). Pixel-space models have 1 or 3 channels."
             )
         self.register_modules(transformer=transformer, scheduler=scheduler, vae=vae)
-        table = self._resolve_id2label(id2label, transformer)
+        table = resolve_id2label(id2label, transformer.config)
         # JSON keys are strings; store them that way so a reloaded config equals the saved one.
         self.register_to_config(id2label=None if table is None else {str(k): v for k, v in table.items()})
-        self._build_label_index(table or {})
+        self._label_index = LabelIndex(table or {})
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs: Any) -> "MoHDiTPipeline":
@@ -258,64 +175,14 @@ class MoHDiTPipeline(DiffusionPipeline):
         ``torch_dtype`` (or ``dtype``), ``variant`` and ready ``transformer`` / ``scheduler`` /
         ``vae`` / ``id2label``; other arguments raise TypeError.
         """
-        index_file = Path(pretrained_model_name_or_path) / cls.config_name
-        index = json.loads(index_file.read_text(encoding="utf-8")) if index_file.is_file() else {}
-        if not isinstance(index.get("_class_name"), list):
+        index = read_export_index(pretrained_model_name_or_path)
+        if index is None:
             return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        folder = index_file.parent
-        dtype = kwargs.pop("torch_dtype", None)
-        weights = dict(torch_dtype=kwargs.pop("dtype", dtype), variant=kwargs.pop("variant", None))
-        parts = {name: kwargs.pop(name) for name in ("transformer", "scheduler", "vae", "id2label") if name in kwargs}
-        if kwargs:
-            raise TypeError(f"MoHDiTPipeline.from_pretrained({str(folder)!r}) of an exported folder does not take "
-                            f"{sorted(kwargs)}; use DiffusionPipeline.from_pretrained(folder, trust_remote_code=True, ...).")
-        if "transformer" not in parts:
-            parts["transformer"] = MoHDiTTransformer2DModel.from_pretrained(folder / "transformer", **weights)
-        if "scheduler" not in parts:
-            library, name = index["scheduler"]
-            scheduler_cls = getattr(importlib.import_module("diffusers"), name, None) if library == "diffusers" else None
-            if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, SchedulerMixin)):
-                raise ValueError(f"{index_file} names the scheduler {library}.{name}, which is not a diffusers scheduler.")
-            parts["scheduler"] = scheduler_cls.from_pretrained(folder / "scheduler")
-        if "vae" not in parts:
-            parts["vae"] = AutoencoderKL.from_pretrained(folder / "vae", **weights) if index.get("vae", [None])[0] else None
-        pipe = cls(**{"id2label": index.get("id2label"), **parts})
+        pipe = cls(**load_export_components(pretrained_model_name_or_path, index, kwargs))
         pipe.register_to_config(_name_or_path=str(pretrained_model_name_or_path))
         return pipe
 
     # ------------------------------------------------------------------ labels
-    @staticmethod
-    def _resolve_id2label(id2label, transformer) -> dict[int, str] | None:
-        num_classes = transformer.config.num_classes
-        if id2label is None:
-            names = getattr(transformer.config, "class_names", None)
-            if names:
-                return dict(enumerate(names))
-            return imagenet_id2label() if num_classes == 1000 else None
-        table = {}
-        for key, name in id2label.items():
-            try:
-                class_id = int(key)
-            except (TypeError, ValueError):
-                raise ValueError(f"id2label keys must be class ids; got {key!r}.") from None
-            if not 0 <= class_id < num_classes:
-                raise ValueError(f"id2label has id {class_id}, outside [0, {num_classes - 1}] of this model.")
-            table[class_id] = str(name)
-        return table
-
-    def _build_label_index(self, table: dict[int, str]) -> None:
-        # Exact names first, then lower-cased ones; a name may list synonyms separated by
-        # commas (the long ImageNet names: "tench, Tinca tinca"), each of which resolves.
-        self._exact: dict[str, set[int]] = {}
-        self._folded: dict[str, set[int]] = {}
-        self._spelling: dict[str, str] = {}  # folded -> a spelling to suggest
-        for class_id, name in table.items():
-            for synonym in (s.strip() for s in name.split(",")):
-                if synonym:
-                    self._exact.setdefault(synonym, set()).add(class_id)
-                    self._folded.setdefault(synonym.casefold(), set()).add(class_id)
-                    self._spelling.setdefault(synonym.casefold(), synonym)
-
     @property
     def id2label(self) -> dict[int, str]:
         """Class id -> name (empty if the pipeline has no names)."""
@@ -324,7 +191,7 @@ class MoHDiTPipeline(DiffusionPipeline):
     @property
     def labels(self) -> dict[str, int]:
         """Every unambiguous name (and synonym) -> class id, sorted by name."""
-        return {name: next(iter(ids)) for name, ids in sorted(self._exact.items()) if len(ids) == 1}
+        return self._label_index.labels
 
     def get_label_ids(self, label: str | int | Sequence[str | int]) -> list[int]:
         """Map names (case-insensitive) and/or class ids to class ids, validating each.
@@ -333,99 +200,9 @@ class MoHDiTPipeline(DiffusionPipeline):
         Raises ValueError for an unknown name (with close names), an ambiguous one, an id
         out of range, or an empty list.
         """
-        if isinstance(label, (str, numbers.Integral)) or (torch.is_tensor(label) and label.ndim == 0):
-            label = [label]
-        elif torch.is_tensor(label) or isinstance(label, np.ndarray):
-            label = label.reshape(-1).tolist()
-        label = list(label)
-        if not label:
-            raise ValueError("class_labels is empty: pass at least one class id or name.")
-        num_classes = self.transformer.config.num_classes
-        ids = []
-        for item in label:
-            if torch.is_tensor(item) or isinstance(item, np.generic):
-                item = item.item()
-            if isinstance(item, str):
-                ids.append(self._lookup(item))
-            elif isinstance(item, numbers.Integral) and not isinstance(item, bool):
-                if not 0 <= int(item) <= num_classes:
-                    raise ValueError(
-                        f"class id {int(item)} is out of range: this model has classes 0..{num_classes - 1} "
-                        f"(and {num_classes}, the null class, for unconditional samples)."
-                    )
-                ids.append(int(item))
-            else:
-                raise ValueError(f"class labels must be int ids or names; got {item!r} ({type(item).__name__}).")
-        return ids
+        return self._label_index.ids(label, self.transformer.config.num_classes)
 
-    def _lookup(self, name: str) -> int:
-        if not self._exact:
-            raise ValueError(
-                f"Class name {name!r} given but this pipeline has no class names (id2label); pass class ids "
-                f"0..{self.transformer.config.num_classes - 1} or build the pipeline with id2label=..."
-            )
-        key = name.strip()
-        ids = self._exact.get(key) or self._folded.get(key.casefold())
-        if not ids:
-            close = difflib.get_close_matches(key.casefold(), list(self._folded), n=5, cutoff=0.6)
-            hint = f" Did you mean: {', '.join(repr(self._spelling[c]) for c in close)}?" if close else ""
-            raise ValueError(f"Unknown class name {name!r}.{hint} See `pipe.labels` for all names.")
-        if len(ids) > 1:
-            options = ", ".join(f"{i} ({self.id2label[i]!r})" for i in sorted(ids))
-            raise ValueError(f"Class name {name!r} is ambiguous: {options}. Use the exact spelling or the id.")
-        return next(iter(ids))
-
-    # ------------------------------------------------------------------ helpers
-    @contextlib.contextmanager
-    def _sampling_state(self, ratio: float | None) -> Iterator[float]:
-        """Eval mode (no label dropout) and the requested routed top-K for one call; both
-        restored on exit, also on error."""
-        model = self.transformer
-        was_training = model.training
-        try:
-            with head_activation(model, ratio) as realised:
-                model.eval()
-                yield realised
-        finally:
-            model.train(was_training)
-
-    def _uses_learned_variance(self) -> bool:
-        """Whether the scheduler consumes the model's variance channels (DDPM learned range)."""
-        variance_type = getattr(self.scheduler.config, "variance_type", None)
-        if isinstance(self.scheduler, DDPMScheduler):
-            if variance_type == "learned":
-                raise ValueError(
-                    "DDPMScheduler(variance_type='learned') reads the output as a log variance, but DiT models predict "
-                    "IDDPM's interpolation values: use variance_type='learned_range'."
-                )
-            if variance_type == "learned_range":
-                if self.transformer.out_channels != 2 * self.transformer.config.in_channels:
-                    raise ValueError(
-                        "The scheduler uses variance_type='learned_range' but this model does not learn sigma "
-                        "(learn_sigma=False); use a fixed variance type, e.g. "
-                        "DDPMScheduler.from_config(pipe.scheduler.config, variance_type='fixed_small')."
-                    )
-                return True
-            return False
-        if variance_type in ("learned", "learned_range"):
-            # DPM-Solver would slice the output to 3 channels itself; the pipeline already
-            # hands it the eps half.
-            raise ValueError(
-                f"{type(self.scheduler).__name__} has variance_type={variance_type!r}; the pipeline passes it the eps "
-                "half already: rebuild it with variance_type=None, e.g. "
-                f"{type(self.scheduler).__name__}.from_config(pipe.scheduler.config, variance_type=None)."
-            )
-        return False
-
-    def _step_kwargs(self, generator, eta: float) -> dict[str, Any]:
-        params = set(inspect.signature(self.scheduler.step).parameters)
-        kwargs: dict[str, Any] = {}
-        if "generator" in params:
-            kwargs["generator"] = generator
-        if "eta" in params:
-            kwargs["eta"] = eta
-        return kwargs
-
+    # ------------------------------------------------------------------ input checks
     def check_inputs(
         self,
         class_labels: int | str | Sequence[int | str] | torch.Tensor,
@@ -551,6 +328,7 @@ class MoHDiTPipeline(DiffusionPipeline):
         eta: float = 0.0,
         output_type: str = "pil",
         return_dict: bool = True,
+        output_head_usage: bool = True,
     ) -> MoHDiTPipelineOutput | tuple:
         r"""Generate one image per class label.
 
@@ -578,13 +356,18 @@ class MoHDiTPipeline(DiffusionPipeline):
             eta: DDIM's eta (ignored by other schedulers).
             output_type: ``"pil"``, ``"np"``, ``"pt"`` (images in [0, 1]) or ``"latent"``.
             return_dict: return a ``MoHDiTPipelineOutput``; else ``(images, ratio, head_usage)``.
+            output_head_usage: return the run's per-layer head usage (on by default, so that
+                ``out.head_usage`` is at hand when trying a model). Off, the transformer computes
+                no routing statistics at any step and ``head_usage`` is None; the images are
+                the same. Sampling at scale (``moh_dit.sampling.sample.generate_batch``) turns
+                it off.
 
         Raises:
             ValueError: a bad argument (see :meth:`check_inputs`), before any compute.
             NonFiniteLatentsError: (a ValueError) the latents became NaN/inf; the message names
                 the first bad step and its timestep. Checked at every step on the CPU, and on
                 accelerators through a flag kept on the device and read once after the loop,
-                so that sampling makes no per-step host sync (see ``_FiniteWatch``).
+                so that sampling makes no per-step host sync (see ``FiniteWatch``).
         """
         self.check_inputs(
             class_labels, guidance_scale, num_inference_steps, head_activation_ratio=head_activation_ratio,
@@ -593,7 +376,8 @@ class MoHDiTPipeline(DiffusionPipeline):
         )
         if seeds is not None:
             generator = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
-        run = self._prepare_run(self.get_label_ids(class_labels), float(guidance_scale), guidance_channels, generator, eta)
+        run = self._prepare_run(self.get_label_ids(class_labels), float(guidance_scale), guidance_channels, generator, eta,
+                                bool(output_head_usage))
         x = self._initial_latents(len(run.ids), generator, latents)
         if timesteps is None:
             self.scheduler.set_timesteps(num_inference_steps)
@@ -601,7 +385,10 @@ class MoHDiTPipeline(DiffusionPipeline):
             self.scheduler.set_timesteps(timesteps=[int(t) for t in timesteps])
         with self._sampling_state(head_activation_ratio) as realised:
             x, head_usage, watch = self._denoise(run, x)
-        self._raise_if_non_finite(watch, run.guidance_scale)
+        error = watch.error(self.scheduler.timesteps, run.guidance_scale)
+        if error is not None:
+            self.maybe_free_model_hooks()
+            raise error
         images = self._output_images(x, output_type)
         self.maybe_free_model_hooks()
         if not return_dict:
@@ -609,8 +396,37 @@ class MoHDiTPipeline(DiffusionPipeline):
         return MoHDiTPipelineOutput(images=images, head_activation_ratio=realised, head_usage=head_usage)
 
     # ------------------------------------------------------------------ the steps of a call
+    @contextlib.contextmanager
+    def _sampling_state(self, ratio: float | None) -> Iterator[float]:
+        """Eval mode (no label dropout) and the requested routed top-K for one call; both
+        restored on exit, also on error."""
+        model = self.transformer
+        was_training = model.training
+        try:
+            with head_activation(model, ratio) as realised:
+                model.eval()
+                yield realised
+        finally:
+            model.train(was_training)
+
+    def _uses_learned_variance(self) -> bool:
+        """Whether the scheduler consumes the model's variance channels (DDPM learned range);
+        ValueError for a scheduler that does not fit the model."""
+        learns_sigma = self.transformer.out_channels == 2 * self.transformer.config.in_channels
+        return uses_learned_variance(self.scheduler, learns_sigma)
+
+    def _step_kwargs(self, generator, eta: float) -> dict[str, Any]:
+        params = set(inspect.signature(self.scheduler.step).parameters)
+        kwargs: dict[str, Any] = {}
+        if "generator" in params:
+            kwargs["generator"] = generator
+        if "eta" in params:
+            kwargs["eta"] = eta
+        return kwargs
+
     def _prepare_run(
-        self, ids: list[int], guidance_scale: float, guidance_channels: str, generator, eta: float
+        self, ids: list[int], guidance_scale: float, guidance_channels: str, generator, eta: float,
+        output_head_usage: bool,
     ) -> _SamplingRun:
         """What every denoising step of one call needs, fixed before the first."""
         guided = guidance_scale > 1.0
@@ -624,6 +440,7 @@ class MoHDiTPipeline(DiffusionPipeline):
             guidance_scale=guidance_scale,
             num_guided=channels if guidance_channels == "all" else min(3, channels),
             use_variance=self._uses_learned_variance(),
+            output_head_usage=output_head_usage,
             step_kwargs=self._step_kwargs(generator, eta),
         )
 
@@ -638,30 +455,36 @@ class MoHDiTPipeline(DiffusionPipeline):
             latents = randn_tensor((batch, channels, size, size), generator=generator, device=device, dtype=torch.float32)
         return latents.to(device=device, dtype=torch.float32)
 
-    def _denoise(self, run: _SamplingRun, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], _FiniteWatch]:
+    def _denoise(self, run: _SamplingRun, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor] | None, FiniteWatch]:
         """The denoising loop over the scheduler's timesteps: the final (B, C, H, W) latents,
-        each layer's head usage averaged over the transformer calls, and the finite watch."""
+        each layer's head usage averaged over the transformer calls (None unless the run asks
+        for it), and the finite watch."""
         usage_sum: list[torch.Tensor] | None = None
         calls = 0
-        watch = _FiniteWatch(x.device, len(self.scheduler.timesteps))
+        watch = FiniteWatch(x.device, len(self.scheduler.timesteps))
         for index, t in enumerate(self.progress_bar(self.scheduler.timesteps)):
             x, used = self._denoise_step(run, x, t)
-            usage_sum = used if usage_sum is None else [s + u for s, u in zip(usage_sum, used)]
+            if used is not None:
+                usage_sum = used if usage_sum is None else [s + u for s, u in zip(usage_sum, used)]
             calls += 1
             if watch.update(index, x):
                 break
+        if not run.output_head_usage:
+            return x, None, watch
         head_usage = [(s / calls).cpu() for s in usage_sum] if usage_sum is not None else []
         return x, head_usage, watch
 
-    def _denoise_step(self, run: _SamplingRun, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _denoise_step(
+        self, run: _SamplingRun, x: torch.Tensor, t: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """One transformer call (both halves when guided) and one scheduler step: the next
-        (B, C, H, W) latents and this call's per-layer head usage."""
+        (B, C, H, W) latents and this call's per-layer head usage (None unless asked for)."""
         channels, num_guided = self.transformer.config.in_channels, run.num_guided
         model_in = torch.cat([x, x]) if run.guided else x
         model_in = self.scheduler.scale_model_input(model_in, t)
         t_in = torch.as_tensor(t, device=self._execution_device).reshape(1).expand(model_in.shape[0])
         out = self.transformer(model_in.to(self.transformer.dtype), timestep=t_in, class_labels=run.labels_in,
-                               output_head_usage=True)
+                               output_head_usage=run.output_head_usage)
         pred = out.sample.float()  # (B or 2B, C or 2C, H, W)
         if run.guided:
             cond, uncond = pred.chunk(2)
@@ -670,20 +493,7 @@ class MoHDiTPipeline(DiffusionPipeline):
         if not run.use_variance:
             pred = pred[:, :channels]
         x = self.scheduler.step(pred, t, x, **run.step_kwargs).prev_sample
-        return x, [u.float() for u in out.head_usage]
-
-    def _raise_if_non_finite(self, watch: _FiniteWatch, guidance_scale: float) -> None:
-        bad = watch.first_bad_step()
-        if bad is None:
-            return
-        self.maybe_free_model_hooks()
-        timesteps = self.scheduler.timesteps
-        raise NonFiniteLatentsError(
-            f"sampling produced NaN/inf latents at step {bad + 1} of {len(timesteps)} (step index {bad}, "
-            f"timestep {int(timesteps[bad])}); no images are returned. A guidance scale too large for "
-            f"float32 (guidance_scale={guidance_scale:g}) or NaN/inf in the model's weights or the given "
-            "latents causes this: lower the guidance scale or check the checkpoint."
-        )
+        return x, [u.float() for u in out.head_usage] if run.output_head_usage else None
 
     def _output_images(self, x: torch.Tensor, output_type: str):
         """Final latents -> ``output_type`` (``"latent"``: ``x`` itself)."""

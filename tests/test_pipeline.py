@@ -380,14 +380,14 @@ def test_non_finite_latents_on_cuda_are_found_after_the_loop(tiny_pipe):
 
 def test_deferred_finite_watch_names_first_bad_step():
     """The accelerator path (no per-step host sync) keeps the first bad step on the device."""
-    from moh_dit.pipelines.pipeline_moh_dit import _FiniteWatch
+    from moh_dit.pipelines.finite_watch import FiniteWatch
 
-    watch = _FiniteWatch(torch.device("cpu"), 6, eager=False)
+    watch = FiniteWatch(torch.device("cpu"), 6, eager=False)
     good, bad = torch.zeros(2, 3), torch.tensor([[0.0, float("inf"), 0.0]])
     for index, x in enumerate([good, good, good, bad, good, bad]):
         assert watch.update(index, x) is False  # never asks to stop: that would need a sync
     assert torch.is_tensor(watch.first_bad) and watch.first_bad_step() == 3
-    clean = _FiniteWatch(torch.device("cpu"), 3, eager=False)
+    clean = FiniteWatch(torch.device("cpu"), 3, eager=False)
     for index in range(3):
         clean.update(index, good)
     assert clean.first_bad_step() is None

@@ -17,7 +17,8 @@ moh-dit installed, through diffusers' custom-pipeline and custom-component files
 The two ``.py`` files are built from the package's source at export time by
 :func:`moh_dit.hub.bundle.bundle_module`, so they cannot drift from it. With moh-dit installed,
 ``MoHDiTPipeline.from_pretrained(folder)`` and ``load_pipeline(folder)`` load the same
-weights with the package's own classes, without running the folder's files.
+weights with the package's own classes, without running the folder's files
+(:mod:`moh_dit.hub.export_format`, which also names the module files).
 
 Every argument is checked before any work; the folder is built in a temporary sibling and
 appears complete or not at all (``io_utils.publish_folder``), and ``--overwrite`` replaces
@@ -39,6 +40,7 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from .bundle import bundle_module
+from .export_format import PIPELINE_MODULE, TRANSFORMER_MODULE
 from ..utils.io import publish_folder, sha256_file, write_bytes_atomic, write_json_atomic
 from .model_card import model_card
 from ..utils.output_folders import check_output_folder
@@ -62,8 +64,6 @@ __all__ = [
 ]
 
 VARIANTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
-PIPELINE_MODULE = "pipeline_moh_dit"
-TRANSFORMER_MODULE = "transformer_moh_dit"
 INFO_FILE = "export_info.json"
 EXPORTED_BY = "moh_dit.hub.export"
 _METRIC_KEYS = ("fid", "sfid", "inception_score", "precision", "recall")

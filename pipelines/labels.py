@@ -1,0 +1,117 @@
+"""Class labels of a pipeline: the id -> name table and the search from names to ids.
+
+Names are matched exactly first, then case-insensitively; a name may list synonyms separated by
+commas (the long ImageNet names: ``"tench, Tinca tinca"``), each of which resolves. An unknown
+name is answered with the closest known ones, an ambiguous one with every id it could mean.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import numbers
+from importlib import resources
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["LabelIndex", "imagenet_id2label", "resolve_id2label"]
+
+
+def imagenet_id2label() -> dict[int, str]:
+    """The ImageNet-1k class names shipped in ``moh_dit.assets`` (id -> name)."""
+    text = resources.files("moh_dit.assets").joinpath("imagenet1k_id2label.json").read_text(encoding="utf-8")
+    return {int(k): v for k, v in json.loads(text).items()}
+
+
+def resolve_id2label(id2label: dict[Any, str] | None, transformer_config) -> dict[int, str] | None:
+    """The id -> name table of a pipeline: ``id2label`` checked against the model's classes, or
+    by default the model's ``class_names``, else the ImageNet-1k names for a 1000-class model,
+    else None."""
+    num_classes = transformer_config.num_classes
+    if id2label is None:
+        names = getattr(transformer_config, "class_names", None)
+        if names:
+            return dict(enumerate(names))
+        return imagenet_id2label() if num_classes == 1000 else None
+    table = {}
+    for key, name in id2label.items():
+        try:
+            class_id = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"id2label keys must be class ids; got {key!r}.") from None
+        if not 0 <= class_id < num_classes:
+            raise ValueError(f"id2label has id {class_id}, outside [0, {num_classes - 1}] of this model.")
+        table[class_id] = str(name)
+    return table
+
+
+class LabelIndex:
+    """Names (and their synonyms) -> class ids, for one id -> name table."""
+
+    def __init__(self, id2label: dict[int, str]):
+        self.id2label = dict(id2label)
+        self._exact: dict[str, set[int]] = {}
+        self._folded: dict[str, set[int]] = {}
+        self._spelling: dict[str, str] = {}  # folded -> a spelling to suggest
+        for class_id, name in self.id2label.items():
+            for synonym in (s.strip() for s in name.split(",")):
+                if synonym:
+                    self._exact.setdefault(synonym, set()).add(class_id)
+                    self._folded.setdefault(synonym.casefold(), set()).add(class_id)
+                    self._spelling.setdefault(synonym.casefold(), synonym)
+
+    @property
+    def labels(self) -> dict[str, int]:
+        """Every unambiguous name (and synonym) -> class id, sorted by name."""
+        return {name: next(iter(ids)) for name, ids in sorted(self._exact.items()) if len(ids) == 1}
+
+    def ids(self, label: str | int | Sequence[str | int], num_classes: int) -> list[int]:
+        """Map names (case-insensitive) and/or class ids to class ids, validating each.
+
+        The null class id (``num_classes``) is accepted and gives unconditional samples.
+        Raises ValueError for an unknown name (with close names), an ambiguous one, an id
+        out of range, or an empty list.
+        """
+        if isinstance(label, (str, numbers.Integral)) or (torch.is_tensor(label) and label.ndim == 0):
+            label = [label]
+        elif torch.is_tensor(label) or isinstance(label, np.ndarray):
+            label = label.reshape(-1).tolist()
+        label = list(label)
+        if not label:
+            raise ValueError("class_labels is empty: pass at least one class id or name.")
+        ids = []
+        for item in label:
+            if torch.is_tensor(item) or isinstance(item, np.generic):
+                item = item.item()
+            if isinstance(item, str):
+                ids.append(self.lookup(item, num_classes))
+            elif isinstance(item, numbers.Integral) and not isinstance(item, bool):
+                if not 0 <= int(item) <= num_classes:
+                    raise ValueError(
+                        f"class id {int(item)} is out of range: this model has classes 0..{num_classes - 1} "
+                        f"(and {num_classes}, the null class, for unconditional samples)."
+                    )
+                ids.append(int(item))
+            else:
+                raise ValueError(f"class labels must be int ids or names; got {item!r} ({type(item).__name__}).")
+        return ids
+
+    def lookup(self, name: str, num_classes: int) -> int:
+        """The class id of one name; ``num_classes`` only phrases the error of a table without names."""
+        if not self._exact:
+            raise ValueError(
+                f"Class name {name!r} given but this pipeline has no class names (id2label); pass class ids "
+                f"0..{num_classes - 1} or build the pipeline with id2label=..."
+            )
+        key = name.strip()
+        ids = self._exact.get(key) or self._folded.get(key.casefold())
+        if not ids:
+            close = difflib.get_close_matches(key.casefold(), list(self._folded), n=5, cutoff=0.6)
+            hint = f" Did you mean: {', '.join(repr(self._spelling[c]) for c in close)}?" if close else ""
+            raise ValueError(f"Unknown class name {name!r}.{hint} See `pipe.labels` for all names.")
+        if len(ids) > 1:
+            options = ", ".join(f"{i} ({self.id2label[i]!r})" for i in sorted(ids))
+            raise ValueError(f"Class name {name!r} is ambiguous: {options}. Use the exact spelling or the id.")
+        return next(iter(ids))
