@@ -23,7 +23,8 @@ import time
 from accelerate import Accelerator
 
 from moh_dit.utils.cli import run_cli
-from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS
+from moh_dit.diffusion.schedulers import SCHEDULERS
+from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS
 from moh_dit.utils.speed import COMPILE_MODES, compile_model
 from moh_dit.sampling.sample import (
     CLASS_LABEL_MODES,

@@ -27,7 +27,8 @@ import torch
 
 from moh_dit.utils.cli import run_cli
 from moh_dit.evaluation import ADM_K, INCEPTION_WEIGHTS_ENV
-from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, SEED_RANGE
+from moh_dit.diffusion.schedulers import SCHEDULERS
+from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SEED_RANGE
 from moh_dit.sampling.sample import DTYPES, SampleSettings, check_model_flags, check_seed_flags, load_pipeline
 from moh_dit.sampling.sweep import (
     ATTENTION_PATHS,

@@ -149,6 +149,37 @@ def test_head_activation_ratio_per_call(tiny_pipe):
     assert (low.images - default.images).abs().max() > 1e-4
 
 
+def record_head_usage_requests(model):
+    """Wrap ``model.forward``: the ``output_head_usage`` of each call."""
+    asked, original = [], model.forward
+
+    def forward(*args, **kwargs):
+        asked.append(kwargs.get("output_head_usage", False))
+        return original(*args, **kwargs)
+
+    model.forward = forward
+    return asked
+
+
+def test_head_usage_only_when_asked(tiny_pipe):
+    """``output_head_usage=False``: no transformer call computes routing statistics, the output
+    has no usage, and the images are the same as with it."""
+    pipe = tiny_pipe()
+    asked = record_head_usage_requests(pipe.transformer)
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], head_activation_ratio=0.5,
+                  output_type="latent")
+    with_usage = pipe([1, 2], **kwargs)
+    assert asked == [True] * STEPS and len(with_usage.head_usage) == 6  # the default keeps the usage
+    asked.clear()
+    without = pipe([1, 2], output_head_usage=False, **kwargs)
+    assert asked == [False] * STEPS
+    assert without.head_usage is None and without.head_activation_ratio == with_usage.head_activation_ratio
+    torch.testing.assert_close(without.images, with_usage.images, rtol=0, atol=0)
+    images, ratio, usage = pipe([1, 2], output_head_usage=False, return_dict=False, **kwargs)
+    assert usage is None and ratio == pytest.approx(0.5)
+    torch.testing.assert_close(images, with_usage.images, rtol=0, atol=0)
+
+
 def test_ratio_and_train_mode_restored_on_error(tiny_pipe):
     pipe = tiny_pipe()
     model = pipe.transformer.train()

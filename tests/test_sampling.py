@@ -133,6 +133,15 @@ def test_same_images_for_any_batch_size_and_process_count(tmp_path, sampling_pip
     np.testing.assert_array_equal(quantize_dit(latents)[0], a[3])
 
 
+def test_sampling_at_scale_computes_no_head_usage(tmp_path, sampling_pipe):
+    """FID-scale runs never ask the transformer for head usage: nothing reports it."""
+    pipe = sampling_pipe()
+    asked, original = [], pipe.transformer.forward
+    pipe.transformer.forward = lambda *a, **k: (asked.append(k.get("output_head_usage", False)), original(*a, **k))[1]
+    assert sample_images(pipe, tmp_path / "run", SETTINGS, batch_size=3, progress=False) == 4
+    assert len(asked) == 2 * SETTINGS.num_inference_steps and not any(asked)  # two batches, every step
+
+
 def test_resume_after_interruption(tmp_path, sampling_pipe):
     pipe = sampling_pipe()
     sample_images(pipe, tmp_path / "full", SETTINGS, batch_size=4, progress=False)

@@ -43,7 +43,8 @@ from ..models.head_activation import head_activation, preview_head_activation
 from ..utils.io import atomic_write, write_json_atomic
 from ..data.latents import load_vae
 from ..utils.output_folders import check_folder_path
-from ..pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SCHEDULERS, SEED_RANGE, MoHDiTPipeline, make_scheduler
+from ..diffusion.schedulers import SCHEDULERS, make_scheduler
+from ..pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SEED_RANGE, MoHDiTPipeline
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 
 __all__ = [
@@ -411,7 +412,9 @@ def check_model_flags(model: str, vae: str | None) -> None:
 
 def generate_batch(pipe: MoHDiTPipeline, settings: SampleSettings, indices: Sequence[int]) -> tuple[np.ndarray, float]:
     """uint8 (B, H, W, C) images of run indices ``indices`` (class ``class_labels_for(i)``, seed
-    ``settings.seed + i``, DiT's quantisation) and the head activation ratio the pipeline ran at."""
+    ``settings.seed + i``, DiT's quantisation) and the head activation ratio the pipeline ran at.
+    No head usage: nothing here reports it, and at every step it would cost routing statistics
+    the images do not need."""
     labels = class_labels_for(indices, pipe.transformer.config.num_classes, settings.class_labels, settings.seed)
     out = pipe(
         labels,
@@ -421,6 +424,7 @@ def generate_batch(pipe: MoHDiTPipeline, settings: SampleSettings, indices: Sequ
         head_activation_ratio=settings.head_activation_ratio,
         seeds=[settings.seed + i for i in indices],
         output_type="latent",
+        output_head_usage=False,
     )
     with torch.no_grad():
         images = quantize_dit(pipe.decode(out.images))  # (B, H, W, C) uint8; the copy to CPU synchronises
