@@ -245,3 +245,29 @@ def test_constructors_validate():
         GaussianDiffusion.from_betas([0.1, 1.5])
     with pytest.raises(ValueError, match="beta_start"):
         GaussianDiffusion(10, beta_start=0.5, beta_end=0.1)
+
+
+def test_make_scheduler_is_the_training_schedule_and_checks_the_variance_channels(diffusion):
+    """The pipeline's schedulers share the training betas; only DDPM learned_range reads the
+    variance channels, and every pairing that would misread them is refused with the fix."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    from moh_dit.diffusion.schedulers import SCHEDULERS, make_scheduler, uses_learned_variance
+
+    for kind in SCHEDULERS:
+        np.testing.assert_allclose(make_scheduler(kind).betas.double().numpy(), diffusion.betas, rtol=1e-6)
+    ddpm = make_scheduler("ddpm")
+    assert uses_learned_variance(ddpm, learns_sigma=True)
+    assert not uses_learned_variance(make_scheduler("ddim"), learns_sigma=True)
+    assert not uses_learned_variance(DDPMScheduler.from_config(ddpm.config, variance_type="fixed_small"), False)
+    with pytest.raises(ValueError, match="log variance.*learned_range"):
+        uses_learned_variance(DDPMScheduler.from_config(ddpm.config, variance_type="learned"), True)
+    with pytest.raises(ValueError, match="does not learn sigma.*fixed_small"):
+        uses_learned_variance(ddpm, learns_sigma=False)
+    dpm = DPMSolverMultistepScheduler.from_config(make_scheduler("dpm").config, variance_type="learned_range")
+    with pytest.raises(ValueError, match="eps half already.*variance_type=None"):
+        uses_learned_variance(dpm, True)
+    with pytest.raises(ValueError, match="no x0 clipping"):
+        make_scheduler("dpm", clip_sample=True)
+    with pytest.raises(ValueError, match=r"Unknown scheduler kind 'euler'.*\('ddpm', 'ddim', 'dpm'\)"):
+        make_scheduler("euler")
