@@ -1,7 +1,7 @@
 """Time MoH attention against diffusers' dense attention: one layer, then a whole model.
 
     python benchmarks/benchmark_attention.py --json attention_benchmark.json
-    python benchmarks/benchmark_attention.py --quick          # smoke run (CPU: ~15 s)
+    python benchmarks/benchmark_attention.py --quick          # smoke run at toy sizes
 
 Layer part: diffusers' ``Attention`` (``AttnProcessor2_0``, SDPA) against ``MoHAttention``
 with the same projection weights, dense-masked (every head computed, unselected ones
@@ -177,7 +177,7 @@ def machine(device: torch.device) -> str:
 
 
 def check_targets(layers: list[dict]) -> dict[str, dict]:
-    """The issue's targets, evaluated on the measured layer rows."""
+    """The head-sparse targets (docs/benchmarks.md), evaluated on the measured layer rows."""
     out = {}
     strict = [r for r in layers if r["ratio"] == 0.5 and r["tokens"] == 1024]
     if strict:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU report in one go, within 8 minutes on one H200 (the step limits add up to 460 s):
+# The GPU report in one go; the step limits add up to 460 s, so it fits in 8 minutes:
 #   1. tests/test_cuda.py (head-sparse strategies vs dense-masked in fp32 and bf16, no host
 #      sync in the packed path, a sampling forward or a training step, GPU vs CPU outputs);
 #   2. benchmarks/speed_report.py train: DiT-XL/2, MoH-DiT-XL/2-90 and -75 at the largest batch

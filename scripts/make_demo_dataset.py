@@ -24,8 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(args: argparse.Namespace) -> None:
-    # make_demo_dataset checks every value (--images-per-class >= 1, --image-size in [20, 1024],
-    # --seed >= 0, --output-dir) before it writes anything.
+    # make_demo_dataset checks every value (--images-per-class >= 1, --image-size within
+    # MIN_IMAGE_SIZE..MAX_IMAGE_SIZE, --seed >= 0, --output-dir) before it writes anything.
     start = time.perf_counter()
     path = make_demo_dataset(
         args.output_dir,

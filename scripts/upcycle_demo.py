@@ -45,9 +45,9 @@ IMAGE_SIZE = 16
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output-dir", default="upcycle_demo")
-    # N and M are sized so the whole command stays under 20 minutes on 2 CPU cores (docs/upcycling.md):
-    # 2N + 3M training steps at about 3.9 steps/s (the demo's 16 px, patch 2 model), 5 x 120 + 360 images
-    # through the Inception network at about 6 per second, and the classifier: about 16 min in all.
+    # N and M are kept small so the whole comparison runs on a CPU in one sitting: it costs 2N + 3M
+    # training steps, then 5 x --eval-samples images and the reference through the Inception network
+    # (the measured time is in docs/results.md).
     p.add_argument("--dense-steps", type=int, default=900, help="N: steps of the dense model before upcycling")
     p.add_argument("--continue-steps", type=int, default=300, help="M: steps after upcycling (and of the baselines)")
     p.add_argument("--router-warmup-steps", type=int, default=30, help="of the M steps, routers only (default: %(default)s)")

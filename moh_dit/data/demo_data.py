@@ -36,7 +36,7 @@ DEMO_COLOURS = {"red": (215, 35, 35), "green": (30, 160, 50), "blue": (40, 70, 2
 
 _SUPERSAMPLE = 4  # draw at 4x and box-downsample: anti-aliased edges without blur
 _FORMAT = "moh-dit-demo-shapes"
-_FORMAT_VERSION = 2  # version 1: radius 0.26-0.38 S, rotation +-15 deg, cross arms 0.34 r wide and r long, background noise std 6, S >= 20
+_FORMAT_VERSION = 2  # recorded in demo_dataset.json; raised whenever the drawing changes, so drawings can be told apart
 RADIUS_RANGE = (0.30, 0.36)  # shape radius as a fraction of the image size
 # The largest shape with its margin must fit: 2 (1.25 * 0.36 S + 0.5) <= S, i.e. S >= 10;
 # 12 leaves every shape at least a few pixels across.

@@ -105,8 +105,8 @@ from .sources import (
 )
 
 # IMG_EXTENSIONS, INCEPTION_WEIGHTS_SHA256_PREFIX, NOT_COMPARABLE, FolderImageSource,
-# NpzImageSource and PathLike are imported above so that they stay importable from here, as
-# they were before the modules were split; __all__ is what it was then.
+# NpzImageSource and PathLike are imported above so that callers can import them from here too;
+# they are not part of __all__.
 __all__ = [
     "ADM_K",
     "ADM_SPLIT_SIZE",

@@ -51,9 +51,9 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
 
     ``tr((S1 S2)^(1/2))`` is computed here by symmetric eigendecompositions in float64 instead:
     S1 S2 has the same eigenvalues as the symmetric PSD matrix ``A = S1^(1/2) S2 S1^(1/2)``,
-    so the trace is ``sum(sqrt(eigvalsh(A)))``. This is exact for PSD inputs, about 5x faster
-    than ``sqrtm`` at 2048 dimensions, needs no complex arithmetic, and does not depend on
-    ``sqrtm``'s signature (SciPy 1.18 removed its ``disp`` argument). Eigenvalues below the
+    so the trace is ``sum(sqrt(eigvalsh(A)))``. This is exact for PSD inputs, faster than
+    ``sqrtm`` at 2048 dimensions, needs no complex arithmetic, and does not depend on
+    ``sqrtm``'s keyword arguments, which SciPy has changed. Eigenvalues below the
     numerical-rank tolerance ``max(eigenvalue) * D * eps`` (NumPy's ``matrix_rank`` convention)
     are rounding noise of a singular covariance and are set to zero: their square roots would
     otherwise add up to a spurious ~1e-7 relative error when N < D. float32 is not accurate
