@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import moh_dit.training as training
 import moh_dit.training.checkpoints as training_checkpoints
-import moh_dit.training.loop as training_loop
+import moh_dit.training.trainer as trainer
 from moh_dit import MoHDiTTransformer2DModel
 from moh_dit.diffusion.gaussian_diffusion import create_diffusion
 from moh_dit.training import TrainConfig, TrainingDivergedError, find_latest_checkpoint, train
@@ -150,13 +150,13 @@ def test_resume_is_exact_after_a_crash(tmp_path, data, monkeypatch):
             raise _Crash
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(training_loop, "update_ema", crashing_update)
+    monkeypatch.setattr(trainer, "update_ema", crashing_update)
     two = config(tmp_path, data, max_steps=6, checkpoint_every=3, log_every=1, output_dir=str(tmp_path / "two"))
     with pytest.raises(_Crash):
         train(two)
     assert find_latest_checkpoint(tmp_path / "two").name == "step-0000003"
     assert log_steps(tmp_path / "two") == [1, 2, 3, 4]
-    monkeypatch.setattr(training_loop, "update_ema", real_update)
+    monkeypatch.setattr(trainer, "update_ema", real_update)
     torch.manual_seed(999)  # the restart's global RNG state must not matter
     train(config(tmp_path, data, max_steps=6, checkpoint_every=3, log_every=1, output_dir=str(tmp_path / "two"),
                  resume="latest"))
@@ -316,7 +316,7 @@ def test_second_run_into_a_busy_folder_is_refused(tmp_path, data, monkeypatch, r
                                           rf"{re.escape(str(run))}.*in use.*pid {os.getpid()}")
             assert tree_state(run) == before
 
-    monkeypatch.setattr(training_loop, "update_ema", update_and_intrude)
+    monkeypatch.setattr(trainer, "update_ema", update_and_intrude)
     train(config(tmp_path, data, log_every=1))
     assert socket.gethostname() in seen[0] and "started" in seen[0]
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step-0000002", "step-0000004"]
@@ -676,7 +676,7 @@ def test_init_from_is_checked_against_the_preset(tmp_path, data, upcycled, load_
     def crash(*args, **kwargs):
         raise _Crash
 
-    monkeypatch.setattr(training_loop, "update_ema", crash)
+    monkeypatch.setattr(trainer, "update_ema", crash)
     with pytest.raises(_Crash):  # dies before its first checkpoint
         train(config(tmp_path, data, output_dir=str(tmp_path / "crashed"), init_from=str(upcycled)))
     monkeypatch.undo()
@@ -704,7 +704,7 @@ def test_foreach_ema_is_bit_identical_to_the_per_parameter_loop(decay):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
-        training_loop.update_ema(ema_a, model, decay)
+        trainer.update_ema(ema_a, model, decay)
         _loop_ema(ema_b, model, decay)
     a, b = ema_a.state_dict(), ema_b.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -728,10 +728,9 @@ def test_nan_loss_between_checks_is_caught_before_any_checkpoint_with_its_step(t
         return out
 
     monkeypatch.setattr(MoHDiTTransformer2DModel, "forward", nan_at_step_3)
-    checks = []
-    real_check = training_loop._stop_if_diverged
-    monkeypatch.setattr(training_loop, "_stop_if_diverged",
-                        lambda ctx, watch: (checks.append(ctx.parts.state.step), real_check(ctx, watch)))
+    checks = []  # the steps done when the loss is checked
+    real_check = trainer._stop_if_diverged
+    monkeypatch.setattr(trainer, "_stop_if_diverged", lambda *args: (checks.append(calls["n"]), real_check(*args)))
     with pytest.raises(TrainingDivergedError, match=r"loss became nan at step 3 .*last good checkpoint is none"):
         train(config(tmp_path, data, max_steps=8, checkpoint_every=4, log_every=4))
     assert checks == [4]  # steps 1-3 never read the loss on the host
@@ -743,7 +742,7 @@ def test_training_steps_between_logs_never_read_a_tensor_on_the_host(tmp_path, d
     """Between log / checkpoint steps the loop asks nothing of the device (on a GPU each such
     read waits for it; tests/test_cuda.py checks the same under CUDA's sync debug mode)."""
     reads = []
-    real_step = training_loop._train_step
+    real_step = trainer._train_step
 
     def reader(name, real):
         def read(self, *args, **kwargs):
@@ -765,7 +764,7 @@ def test_training_steps_between_logs_never_read_a_tensor_on_the_host(tmp_path, d
             for n in names:
                 monkeypatch.setattr(torch.Tensor, n, saved[n])
 
-    monkeypatch.setattr(training_loop, "_train_step", watched_step)
+    monkeypatch.setattr(trainer, "_train_step", watched_step)
     train(config(tmp_path, data, max_steps=3, checkpoint_every=3, log_every=3))
     assert reads == []
     log = json.loads((tmp_path / "run" / "train_log.jsonl").read_text().splitlines()[-1])

@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-import moh_dit.training.loop as training_loop
+import moh_dit.training.trainer as trainer
 
 PAUSE_AFTER = int(os.environ.get("MOH_DIT_TEST_PAUSE_AFTER", "0"))
-_real_save = training_loop.save_checkpoint
+_real_save = trainer.save_checkpoint
 
 
 def _save_then_pause(parts, cfg, step, run):
@@ -26,7 +26,7 @@ def _save_then_pause(parts, cfg, step, run):
     return path
 
 
-training_loop.save_checkpoint = _save_then_pause  # where the step loop looks it up
+trainer.save_checkpoint = _save_then_pause  # where the step loop looks it up
 
 if __name__ == "__main__":
     pid_dir = os.environ.get("MOH_DIT_TEST_PID_DIR")

@@ -16,14 +16,14 @@ Checkpoints are safetensors and JSON only -- nothing is unpickled -- written int
 folder that is renamed into place when complete; their marker ``checkpoint.json`` records
 every file's size and SHA-256, which a resume checks before it loads anything.
 
-Reading order of the modules:
+Reading order of the modules (a resume crosses the first three, from ``scripts/train.py``):
 
-- ``config``: :class:`TrainConfig`, every option, checked before any work;
-- ``trainer``: :func:`train`, the run as a sequence of named steps;
+- ``trainer``: :func:`train`, one run top to bottom -- set up, resume, loop, checkpoint, finish;
 - ``run_folder``: the run's plan (new run, resume, refusals), its lock and its record;
-- ``checkpoints``: writing, verifying, loading and rotating checkpoints;
-- ``loop``: the step loop -- one training step, its log, sample grid and checkpoint;
-- ``processes``: decisions shared by all processes; ``errors``: the trainer's errors.
+- ``checkpoints``: writing, verifying, loading and rotating checkpoints, and the work all
+  processes share;
+- ``config``: :class:`TrainConfig`, every option (with its flag's help), checked before any
+  work, and the errors a run raises.
 """
 
 from __future__ import annotations
@@ -31,11 +31,9 @@ from __future__ import annotations
 from .checkpoints import (CHECKPOINT_FORMAT, CHECKPOINT_PREFIX, COMPLETE_MARKER, EMA_FILE, MODEL_FILE, OPTIMIZER_FILE,
                           REQUIRED_FILES, RNG_FILE, SCALER_FILE, SCHEDULER_FILE, STATE_FILE, find_latest_checkpoint,
                           verify_checkpoint)
-from .config import DIFFUSION_STEPS, TrainConfig
-from .errors import CheckpointIntegrityError, RunFolderBusyError, TrainingDivergedError
-from .loop import sample_grid, update_ema
+from .config import DIFFUSION_STEPS, CheckpointIntegrityError, RunFolderBusyError, TrainConfig, TrainingDivergedError
 from .run_folder import LOCK_FILE, LOG_FILES, RUN_RECORD, preflight
-from .trainer import train
+from .trainer import sample_grid, train, update_ema
 
 __all__ = ["TrainConfig", "train", "find_latest_checkpoint", "verify_checkpoint", "preflight", "TrainingDivergedError",
            "RunFolderBusyError", "CheckpointIntegrityError"]

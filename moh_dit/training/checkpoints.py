@@ -5,6 +5,10 @@ position, and every process's random states, so that a resumed run continues bit
 It is written into a temporary folder renamed into place when complete; its marker
 ``checkpoint.json`` records every file's size and SHA-256, which :func:`verify_checkpoint`
 checks before anything is loaded. Rotation removes only this run's verified-older ones.
+
+Every process takes part in a save; the run folder's decisions are the main process's.
+:func:`on_main` and :func:`everywhere` make either kind of work end the same way on all
+processes -- all go on, or all raise together -- so that none is left at a barrier.
 """
 
 from __future__ import annotations
@@ -25,9 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from ..data.datasets import ResumableSampler
 from ..utils.io import sha256_file, write_json_atomic
-from .config import TrainConfig
-from .errors import CheckpointIntegrityError, warn
-from .processes import everywhere, on_main
+from .config import CheckpointIntegrityError, RunFolderBusyError, TrainConfig, TrainingDivergedError, warn
 
 CHECKPOINT_PREFIX = "step-"
 COMPLETE_MARKER = "checkpoint.json"
@@ -41,6 +43,58 @@ SCALER_FILE = "scaler.json"
 STATE_FILE = "train_state.json"
 RNG_FILE = "random_states_{}.safetensors"  # one per process
 REQUIRED_FILES = (MODEL_FILE, EMA_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, STATE_FILE, RNG_FILE.format(0))
+
+
+# --------------------------------------------------------------------------------------
+# Work shared by the processes
+# --------------------------------------------------------------------------------------
+
+_ERRORS = {cls.__name__: cls for cls in (RunFolderBusyError, CheckpointIntegrityError, FileExistsError,
+                                          FileNotFoundError, ValueError, TrainingDivergedError, OSError)}
+
+
+def on_main(accelerator, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on the main process only and give its result -- or its error -- to every
+    process, so that all of them go on or all raise together (none waits forever)."""
+    result, error = None, None
+    if accelerator.is_main_process:
+        try:
+            result = fn()
+        except Exception as exc:  # handed to the other processes, then raised here too
+            error = exc
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        payload = [result, None if error is None else (type(error).__name__, str(error))]
+        broadcast_object_list(payload, from_process=0)
+        if not accelerator.is_main_process:
+            result = payload[0]
+            if payload[1] is not None:
+                name, message = payload[1]
+                cls = _ERRORS.get(name)
+                raise (cls(message) if cls is not None else RuntimeError(f"the main process failed: {name}: {message}"))
+    if error is not None:
+        raise error
+    return result
+
+
+def everywhere(accelerator, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` on every process; if it fails on any of them, raise on all."""
+    error = None
+    try:
+        fn()
+    except Exception as exc:  # reported to the others, then raised here
+        error = exc
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        reports = gather_object([None if error is None else
+                                 f"process {accelerator.process_index}: {type(error).__name__}: {error}"])
+        failed = [r for r in reports if r]
+        if failed and error is None:
+            raise OSError(f"another process failed: {'; '.join(failed)}")
+    if error is not None:
+        raise error
 
 
 # --------------------------------------------------------------------------------------

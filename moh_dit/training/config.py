@@ -1,16 +1,42 @@
-"""Every training option (:class:`TrainConfig`) and the checks that run before any work."""
+"""Every training option (:class:`TrainConfig`), the checks that run before any work, and
+what a run reports when it stops: its errors and one-line warnings.
+
+Each option that ``scripts/train.py`` offers as a flag carries its help text (and, where it
+is not ``--field-name``, its spelling) in the field's metadata; the script reads the flags,
+their defaults and choices from here, so an option is described in one place.
+"""
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..models.presets import PRESETS
 from ..utils.speed import COMPILE_MODES
 
 DIFFUSION_STEPS = 1000
+MIXED_PRECISIONS = ("no", "fp16", "bf16")
+REPORT_TO = ("tensorboard", "wandb", "none")
+ON_CORRUPT = ("error", "skip")
+
+
+class TrainingDivergedError(FloatingPointError):
+    """The loss became NaN or infinite."""
+
+
+class RunFolderBusyError(FileExistsError):
+    """Another training run holds the ``--output-dir`` (the message names its pid, host and start)."""
+
+
+class CheckpointIntegrityError(ValueError):
+    """A checkpoint file is missing, truncated, altered or unreadable (the message names it)."""
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def _check(ok: bool, flag: str, value: Any, rule: str) -> None:
@@ -22,47 +48,74 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _zero_is_none(value: int | None) -> int | None:
+    return value or None
+
+
+def option(default: Any = None, help: str | None = None, *, flag: str | None = None, choices=None,
+           metavar: str | None = None, one_of: str | None = None, negated: bool = False,
+           from_flag: Callable[[Any], Any] | None = None, required: bool = False):
+    """A field that ``scripts/train.py`` offers as a flag. ``flag``: its spelling when not
+    ``--field-name``; ``negated``: a boolean whose flag turns it off (``--no-flip``);
+    ``one_of``: flags of the same name form a required either-or group; ``from_flag``: maps
+    the parsed value onto the field's; ``required``: a field without a default."""
+    metadata = {"flag": flag, "help": help, "choices": choices, "metavar": metavar, "one_of": one_of,
+                "negated": negated, "from_flag": from_flag}
+    return field(metadata=metadata) if required else field(default=default, metadata=metadata)
+
+
 @dataclass
 class TrainConfig:
-    """Every training option; ``scripts/train.py`` maps its flags onto these fields."""
+    """Every training option; those with a flag in ``scripts/train.py`` say so in their metadata."""
 
-    preset: str
-    output_dir: str
-    data_dir: str | None = None
-    latents_dir: str | None = None
-    vae: str = "stabilityai/sd-vae-ft-ema"
-    vae_subfolder: str | None = None
-    image_size: int = 256
-    max_steps: int = 400_000
-    global_batch_size: int = 256
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.0
+    preset: str = option(required=True, choices=tuple(PRESETS), metavar="PRESET",
+                         help=f"model preset: {', '.join(PRESETS)}")
+    output_dir: str = option(required=True)
+    data_dir: str | None = option(None, "ImageFolder: one sub-folder of images per class", one_of="data")
+    latents_dir: str | None = option(None, "latent cache written by scripts/extract_latents.py", one_of="data")
+    vae: str = option("stabilityai/sd-vae-ft-ema", "AutoencoderKL hub id or local folder, or 'none' for pixel space "
+                      "(default: %(default)s)")
+    vae_subfolder: str | None = option(None, "subfolder of --vae holding the VAE (e.g. 'vae' of a pipeline)")
+    image_size: int = option(256)
+    max_steps: int = option(400_000)
+    global_batch_size: int = option(256)
+    learning_rate: float = option(1e-4)
+    weight_decay: float = option(0.0)
     adam_betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 0
-    max_grad_norm: float | None = None
-    checkpoint_every: int = 50_000
-    checkpoints_total_limit: int | None = 2
-    resume: str | None = None
-    mixed_precision: str = "no"
-    allow_tf32: bool = True
-    seed: int = 0
-    lb_coeff: float = 0.01
-    ema_decay: float = 0.9999
-    class_dropout: float = 0.1
-    gradient_checkpointing: bool = False
-    num_workers: int = 4
-    on_corrupt: str = "error"
-    random_flip: bool = True
-    log_every: int = 100
-    sample_every: int = 0
-    sample_steps: int = 50
-    report_to: str = "tensorboard"
+    warmup_steps: int = option(0)
+    max_grad_norm: float | None = option(None, "clip gradients to this norm (default: off, as DiT)")
+    checkpoint_every: int = option(50_000)
+    checkpoints_total_limit: int | None = option(
+        2, "keep this many newest checkpoints of this run (0: all; default: %(default)s)", from_flag=_zero_is_none)
+    resume: str | None = option(None, "'latest' (the newest intact checkpoint of --output-dir; falls back past "
+                                "damaged ones) or a checkpoint folder")
+    mixed_precision: str = option("no", choices=MIXED_PRECISIONS)
+    allow_tf32: bool = option(True, "disable TF32 matmuls on Ampere+ GPUs", flag="--no-tf32", negated=True)
+    seed: int = option(0)
+    lb_coeff: float = option(0.01, "weight of the MoH load-balance loss")
+    ema_decay: float = option(0.9999)
+    class_dropout: float = option(0.1, "label dropout for classifier-free guidance")
+    gradient_checkpointing: bool = option(False)
+    num_workers: int = option(4)
+    on_corrupt: str = option("error", "unreadable images: stop with the file name (default) or skip and count them",
+                             choices=ON_CORRUPT)
+    random_flip: bool = option(True, "disable random horizontal flips", flag="--no-flip", negated=True)
+    log_every: int = option(100)
+    sample_every: int = option(0, "save an EMA sample grid every N steps (0: off)")
+    sample_steps: int = option(50, "DDPM steps of the monitoring grid")
+    report_to: str = option("tensorboard", choices=REPORT_TO)
     model_overrides: dict[str, Any] = field(default_factory=dict)
-    init_from: str | None = None  # a saved model folder: a new run starts from its weights
-    router_warmup_steps: int = 0  # only router parameters train for the first N steps
-    compile: bool = False  # torch.compile the transformer (in place: checkpoints keep its keys)
-    compile_per_block: bool = False  # compile each block instead of the whole forward (shorter compile)
-    compile_mode: str | None = None  # torch.compile's mode (moh_dit.utils.speed.COMPILE_MODES); None: its default
+    init_from: str | None = option(None, "start a new run from the weights of a saved model folder "
+                                   "(scripts/upcycle.py's output, a run's final/); new optimiser, EMA starting as a "
+                                   "copy of them; not with --resume")
+    router_warmup_steps: int = option(0, "MoH presets: train only the router parameters for the first N steps "
+                                      "(default: %(default)s)")
+    compile: bool = option(False, "torch.compile the transformer (the first steps take longer while it compiles; "
+                           "checkpoints are the same as without it, so a run may resume with or without the flag)")
+    compile_per_block: bool = option(False, "with --compile: compile each transformer block instead of the whole "
+                                     "model (compiles faster)")
+    compile_mode: str | None = option(None, "with --compile: torch.compile's mode (default: torch's default)",
+                                      choices=COMPILE_MODES)
 
     def validate(self, num_processes: int | None = None) -> None:
         """Every check that needs no data or model, so bad input fails before any work and
@@ -115,14 +168,14 @@ class TrainConfig:
         if self.sample_every:
             _check(isinstance(self.sample_steps, int) and 1 <= self.sample_steps <= DIFFUSION_STEPS, "--sample-steps",
                    self.sample_steps, f"in [1, {DIFFUSION_STEPS}] (the diffusion's steps) when --sample-every is on")
-        if self.mixed_precision not in ("no", "fp16", "bf16"):
+        if self.mixed_precision not in MIXED_PRECISIONS:
             raise ValueError(f"--mixed-precision must be no, fp16 or bf16, got {self.mixed_precision!r}.")
         _check(_finite(self.ema_decay) and 0.0 <= self.ema_decay < 1.0, "--ema-decay", self.ema_decay, "in [0, 1)")
         _check(_finite(self.class_dropout) and 0.0 <= self.class_dropout < 1.0, "--class-dropout", self.class_dropout,
                "in [0, 1)")
-        if self.report_to not in ("tensorboard", "wandb", "none"):
+        if self.report_to not in REPORT_TO:
             raise ValueError(f"--report-to must be tensorboard, wandb or none, got {self.report_to!r}.")
-        if self.on_corrupt not in ("error", "skip"):
+        if self.on_corrupt not in ON_CORRUPT:
             raise ValueError(f"--on-corrupt must be error or skip, got {self.on_corrupt!r}.")
         if self.resume not in (None, "latest") and not Path(self.resume).is_dir():
             raise ValueError(f"--resume {self.resume!r} is neither 'latest' nor an existing checkpoint folder.")

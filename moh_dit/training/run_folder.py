@@ -24,8 +24,7 @@ from ..data.datasets import write_class_index
 from ..utils.io import FileLockedError, lock_file, write_json_atomic, write_lines_atomic, write_lock_info
 from .checkpoints import (COMPLETE_MARKER, checkpoint_folders, checkpoint_run_id, complete_checkpoints,
                           verify_checkpoint)
-from .config import TrainConfig, data_source
-from .errors import CheckpointIntegrityError, RunFolderBusyError, warn
+from .config import CheckpointIntegrityError, RunFolderBusyError, TrainConfig, data_source, warn
 
 RUN_RECORD = "train_config.json"
 LOCK_FILE = ".lock"

@@ -1,38 +1,150 @@
-"""``train``: the run as a sequence of named steps.
+"""``train``: one run, top to bottom -- set up, resume, loop, checkpoint, finish.
 
-Check the options and the launch, plan the run folder (busy? whose run? where to resume
-from?), build the data, the latent space and the model, claim the folder, build the EMA,
-optimiser and schedule, resume, record the run, loop, export ``OUT/final``. Everything that
-can refuse the run happens before anything is written.
+:func:`train` reads in the order a run happens. Set up: check the options and the launch,
+decide about the run folder (busy? whose run? where to resume from?), build the data, the
+latent space and the model, claim the folder, build the EMA, optimiser and schedule. Resume:
+load the checkpoint, then record the run. Loop: one optimiser step per batch, then its log,
+sample grid and checkpoint. Finish: export ``OUT/final``. Everything that can refuse the run
+happens before anything is written; the run folder's decisions are the main process's,
+handed to all (:func:`~.checkpoints.on_main`).
+
+The state of a run is in two objects: :class:`~.checkpoints.Parts` (model, EMA, optimiser,
+LR schedule and :class:`~.checkpoints.TrainState`: step and data position), which a
+checkpoint saves and restores, and the model as accelerate prepared it, through which
+forward and backward go. The order of random draws in the loop is the one a resumed run
+replays, so nothing here may add, drop or reorder one.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader
 
 from ..data.datasets import ImageFolderDataset, ResumableSampler, collate_skip_corrupt, write_class_index
-from ..diffusion.gaussian_diffusion import create_diffusion
-from ..utils.io import publish_folder
 from ..data.latents import LatentDataset, load_vae, vae_downsample_factor
+from ..diffusion.gaussian_diffusion import create_diffusion
 from ..models.presets import resolve_layer_layout
+from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
+from ..utils.io import atomic_write, publish_folder
 from ..utils.runtime import set_tf32
 from ..utils.speed import compile_model, peak_flops, training_flops_per_image
-from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
-from .checkpoints import Parts, TrainState, load_checkpoint
-from .config import TrainConfig
-from .errors import warn
-from .loop import LatentSpace, LoopContext, run_loop
-from .processes import on_main
-from .run_folder import (FolderLock, Plan, claim_folder, normalized, probe_and_plan, record_run,
-                         run_identity)
+from .checkpoints import Parts, TrainState, load_checkpoint, on_main, save_checkpoint
+from .config import TrainConfig, TrainingDivergedError, warn
+from .run_folder import FolderLock, Plan, claim_folder, normalized, probe_and_plan, record_run, run_identity
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Train ``cfg.preset`` and return the folder of the exported EMA model (``OUT/final``).
+    Every process runs every line; ``OUT/.lock`` is held from the first look at the folder
+    to the end (released however the run ends)."""
+    from accelerate.utils import set_seed
+
+    accelerator = _start_accelerator(cfg)
+    lock = FolderLock(Path(cfg.output_dir))
+    try:
+        # Set up. Read-only until claim_folder: a refused run leaves the folder as it was.
+        plan: Plan = on_main(accelerator, lambda: probe_and_plan(lock, cfg))
+        _check_init_resume(cfg, plan)
+        if accelerator.device.type == "cuda":
+            set_tf32(cfg.allow_tf32)
+        set_seed(cfg.seed, device_specific=True)
+        data = _build_data(cfg, accelerator)  # validated before any model or VAE work
+        space = _build_latent_space(cfg, data.dataset, accelerator.device)
+        model, model_config = _build_model(cfg, space, data.classes)
+        on_main(accelerator, lambda: claim_folder(cfg, plan, lock, model_config, accelerator.print))
+        parts, model = _build_optimisation(cfg, accelerator, model, data.sampler)
+        diffusion = create_diffusion()
+        flops_per_image, device_peak = _mfu_terms(cfg, accelerator, parts.model)
+
+        # Resume: every part's state, then the run record (written only once the state has loaded).
+        if plan.resume_from is not None:
+            load_checkpoint(parts, Path(plan.resume_from))
+            accelerator.print(f"Resumed from {plan.resume_from} at step {parts.state.step}.")
+        run = {"run_id": plan.run_id, **run_identity(cfg), "model_config": model_config}  # in every marker
+        if accelerator.is_main_process:
+            record_run(cfg, {"run_id": plan.run_id, "data_path": run["data_path"],
+                             "num_processes": accelerator.num_processes, "per_process_batch_size": data.per_process,
+                             "latent_shape": list(space.shape), "model_config": model_config},
+                       data.class_to_idx, parts.state.step)
+        if cfg.report_to != "none":
+            accelerator.init_trackers("moh-dit", config={k: v for k, v in dataclasses.asdict(cfg).items()
+                                                         if isinstance(v, (int, float, str, bool))})
+
+        # Loop, to cfg.max_steps. The loss is checked for NaN/inf at the steps that log, sample
+        # or checkpoint, before anything is written; in between, nothing waits for the device.
+        state, batches = parts.state, data.batches()
+        log, watch = _TrainLog(cfg, parts, flops_per_image, device_peak), _DivergenceWatch(accelerator.device)
+        last_checkpoint = plan.resume_from  # what a divergence names until the first checkpoint of this start
+        while state.step < cfg.max_steps:
+            x, y = _next_batch(batches, data, space, state, accelerator.device)
+            log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps
+            step = _train_step(cfg, parts, model, diffusion, x, y, log_now)
+            watch.update(state.step, step)
+            log.add(step)
+            sample_now = bool(cfg.sample_every) and state.step % cfg.sample_every == 0
+            checkpoint_now = state.step % cfg.checkpoint_every == 0 or state.step == cfg.max_steps
+            if log_now or sample_now or checkpoint_now:  # on every process: the check is collective
+                _stop_if_diverged(accelerator, watch, last_checkpoint)
+            if log_now:
+                log.write(step)
+            if sample_now and accelerator.is_main_process:
+                _save_sample_grid(cfg, parts, diffusion, space, len(data.classes))
+            if checkpoint_now:
+                last_checkpoint = save_checkpoint(parts, cfg, state.step, run)
+        log.close()
+
+        # Finish: OUT/final.
+        return _export_final(cfg, parts, data.class_to_idx)
+    finally:
+        lock.release()
+
+
+# --------------------------------------------------------------------------------------
+# Set up
+# --------------------------------------------------------------------------------------
+
+
+def _start_accelerator(cfg: TrainConfig):
+    """The Accelerator of this launch, once ``cfg`` passed its checks (with the launch's
+    process count, read before the Accelerator exists so that bad options are reported as
+    such) and the launch is one this trainer's checkpoints support (plain data-parallel)."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import ProjectConfiguration
+
+    cfg.validate(PartialState().num_processes)
+    accelerator = Accelerator(
+        mixed_precision=cfg.mixed_precision,
+        log_with=None if cfg.report_to == "none" else cfg.report_to,
+        project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs")),
+    )
+    kind = str(accelerator.distributed_type).upper()
+    if any(name in kind for name in ("DEEPSPEED", "FSDP", "MEGATRON")):
+        raise ValueError(f"accelerate's {accelerator.distributed_type} is not supported by this trainer's checkpoints; "
+                         "launch plain data-parallel (accelerate launch --multi_gpu, or torchrun).")
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and accelerator.num_processes == 1:
+        # Every launched process would train alone (and all but one would find the folder busy).
+        raise ValueError(f"launched as {world} processes (WORLD_SIZE={world}) but accelerate sees one; on CPU set "
+                         "ACCELERATE_USE_CPU=1 for torchrun, or use accelerate launch --cpu.")
+    return accelerator
+
+
+def _check_init_resume(cfg: TrainConfig, plan: Plan) -> None:
+    """A run that started from --init-from and has no checkpoint yet cannot continue: without
+    the flag (refused with --resume) it would silently start from random weights."""
+    started_from = (plan.record or {}).get("init_from")
+    if cfg.resume is not None and plan.resume_from is None and started_from:
+        raise ValueError(f"--output-dir {cfg.output_dir} holds a run started with --init-from {started_from} that "
+                         "has no checkpoint yet; start it again with --init-from into another --output-dir.")
 
 
 @dataclass
@@ -53,74 +165,6 @@ class _Data:
             yield from loader
 
 
-def train(cfg: TrainConfig) -> Path:
-    """Train ``cfg.preset`` and return the folder of the exported EMA model (``OUT/final``)."""
-    cfg.validate()
-    accelerator, log_with = _start_accelerator(cfg)
-    lock = FolderLock(Path(cfg.output_dir))
-    try:
-        return _train(cfg, accelerator, lock, log_with)
-    finally:
-        lock.release()
-
-
-def _start_accelerator(cfg: TrainConfig):
-    """The Accelerator of this launch, once the batch splits over its processes and the
-    launch is one this trainer's checkpoints support (plain data-parallel)."""
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
-
-    log_with = None if cfg.report_to == "none" else cfg.report_to
-    accelerator = Accelerator(
-        mixed_precision=cfg.mixed_precision,
-        log_with=log_with,
-        project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs")),
-    )
-    cfg.validate(accelerator.num_processes)
-    kind = str(accelerator.distributed_type).upper()
-    if any(name in kind for name in ("DEEPSPEED", "FSDP", "MEGATRON")):
-        raise ValueError(f"accelerate's {accelerator.distributed_type} is not supported by this trainer's checkpoints; "
-                         "launch plain data-parallel (accelerate launch --multi_gpu, or torchrun).")
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1 and accelerator.num_processes == 1:
-        # Every launched process would train alone (and all but one would find the folder busy).
-        raise ValueError(f"launched as {world} processes (WORLD_SIZE={world}) but accelerate sees one; on CPU set "
-                         "ACCELERATE_USE_CPU=1 for torchrun, or use accelerate launch --cpu.")
-    return accelerator, log_with
-
-
-def _train(cfg: TrainConfig, accelerator, lock: FolderLock, log_with: str | None) -> Path:
-    """The steps of a run, in order (the caller releases ``lock``). Every process runs them;
-    the folder's decisions are the main process's, handed to all."""
-    from accelerate.utils import set_seed
-
-    plan: Plan = on_main(accelerator, lambda: probe_and_plan(lock, cfg))
-    _check_init_resume(cfg, plan)
-    if accelerator.device.type == "cuda":
-        set_tf32(cfg.allow_tf32)
-    set_seed(cfg.seed, device_specific=True)
-    data = _build_data(cfg, accelerator)  # validated before any model or VAE work
-    space = _build_latent_space(cfg, data.dataset, accelerator.device)
-    model, model_config = _build_model(cfg, space, data.classes)
-    run = {"run_id": plan.run_id, **run_identity(cfg), "model_config": model_config}
-    on_main(accelerator, lambda: claim_folder(cfg, plan, lock, model_config, accelerator.print))
-    ctx = _prepare_training(cfg, accelerator, model, data, space, run, log_with)
-    ctx.last_checkpoint = plan.resume_from  # what a divergence names until the first checkpoint of this start
-    if plan.resume_from is not None:
-        load_checkpoint(ctx.parts, Path(plan.resume_from))
-        accelerator.print(f"Resumed from {plan.resume_from} at step {ctx.parts.state.step}.")
-    if accelerator.is_main_process:  # written only once the state has loaded
-        record_run(cfg, {"run_id": plan.run_id, "data_path": run["data_path"],
-                         "num_processes": accelerator.num_processes, "per_process_batch_size": data.per_process,
-                         "latent_shape": list(space.shape), "model_config": model_config},
-                   data.class_to_idx, ctx.parts.state.step)
-    if log_with is not None:
-        accelerator.init_trackers("moh-dit", config={k: v for k, v in dataclasses.asdict(cfg).items()
-                                                     if isinstance(v, (int, float, str, bool))})
-    run_loop(ctx, data.batches())
-    return _finish(ctx, data.class_to_idx)
-
-
 def _build_data(cfg: TrainConfig, accelerator) -> _Data:
     if cfg.latents_dir is not None:
         dataset = LatentDataset(cfg.latents_dir, random_flip=cfg.random_flip, seed=cfg.seed)
@@ -139,6 +183,16 @@ def _build_data(cfg: TrainConfig, accelerator) -> _Data:
     if cfg.on_corrupt == "skip":
         loader_kwargs["collate_fn"] = collate_skip_corrupt
     return _Data(dataset, dataset.classes, dataset.class_to_idx, sampler, per_process, loader_kwargs)
+
+
+@dataclass
+class LatentSpace:
+    """What the model denoises: latents of ``vae`` scaled by ``scaling`` (encoded on the fly),
+    a latent cache's (``vae`` None, already scaled), or pixels (both None)."""
+
+    shape: tuple[int, int, int]  # (C, h, w)
+    vae: Any | None
+    scaling: float | None
 
 
 def _build_latent_space(cfg: TrainConfig, dataset, device: torch.device) -> LatentSpace:
@@ -201,26 +255,15 @@ def _load_init_weights(cfg: TrainConfig, model: MoHDiTTransformer2DModel, model_
     model.load_state_dict(source.state_dict(), strict=True)
 
 
-def _check_init_resume(cfg: TrainConfig, plan: Plan) -> None:
-    """A run that started from --init-from and has no checkpoint yet cannot continue: without
-    the flag (refused with --resume) it would silently start from random weights."""
-    started_from = (plan.record or {}).get("init_from")
-    if cfg.resume is not None and plan.resume_from is None and started_from:
-        raise ValueError(f"--output-dir {cfg.output_dir} holds a run started with --init-from {started_from} that "
-                         "has no checkpoint yet; start it again with --init-from into another --output-dir.")
-
-
-def _prepare_training(cfg: TrainConfig, accelerator, model, data: _Data, space: LatentSpace, run: dict[str, Any],
-                      log_with: str | None) -> LoopContext:
-    """EMA (an exact copy of the initial model), diffusion, AdamW and the warmup schedule,
-    prepared by accelerate."""
+def _build_optimisation(cfg: TrainConfig, accelerator, model, sampler: ResumableSampler):
+    """EMA (an exact copy of the initial model), AdamW and the warmup schedule, prepared by
+    accelerate: the :class:`Parts` a checkpoint saves, and the model as accelerate prepared it."""
     if cfg.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     ema = copy.deepcopy(model).to(accelerator.device).requires_grad_(False).eval()
     model.train()
     if cfg.compile:  # in place, after the EMA copy: state-dict keys stay the model's own
         compile_model(model, mode=cfg.compile_mode, per_block=cfg.compile_per_block)
-    diffusion = create_diffusion()
     # The fused kernel (one launch for all parameters) where the device has it; else torch's default.
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
@@ -230,12 +273,8 @@ def _prepare_training(cfg: TrainConfig, accelerator, model, data: _Data, space: 
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
     # EMA and step/data position are saved by this package (safetensors + JSON), not
     # registered with accelerate, whose custom state is a pickle loaded with weights_only=False.
-    parts = Parts(accelerator, accelerator.unwrap_model(model), ema, optimizer, lr_scheduler, TrainState(data.sampler))
-    held = [p for name, p in model.named_parameters() if ".router_" not in name] if cfg.router_warmup_steps else []
-    flops, peak = _mfu_terms(cfg, accelerator, parts.model)
-    return LoopContext(cfg=cfg, parts=parts, model=model, diffusion=diffusion, space=space, sampler=data.sampler,
-                       per_process=data.per_process, num_classes=len(data.classes), run=run, log_with=log_with,
-                       last_checkpoint=None, held_in_warmup=held, flops_per_image=flops, peak_flops=peak)
+    parts = Parts(accelerator, accelerator.unwrap_model(model), ema, optimizer, lr_scheduler, TrainState(sampler))
+    return parts, model
 
 
 def _mfu_terms(cfg: TrainConfig, accelerator, model) -> tuple[int, float]:
@@ -247,16 +286,248 @@ def _mfu_terms(cfg: TrainConfig, accelerator, model) -> tuple[int, float]:
     return training_flops_per_image(model), peak
 
 
-def _finish(ctx: LoopContext, class_to_idx: dict[str, int]) -> Path:
+# --------------------------------------------------------------------------------------
+# The loop: a batch, a step, the divergence check, the log, the sample grid
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Step:
+    """One step's terms, detached, for the log window."""
+
+    loss: torch.Tensor
+    mse: torch.Tensor
+    vb: torch.Tensor
+    lb: torch.Tensor
+    grad_norm: Any  # a tensor, or a float from accelerate's clipping
+    head_usage: list[torch.Tensor] | None
+
+
+class _DivergenceWatch:
+    """The first step whose loss was NaN/inf on this process, and its terms, kept on the
+    device: updating it costs a few tiny kernels and no host sync, so the step loop never
+    waits for the GPU. :func:`_stop_if_diverged` reads it at the log, sample and checkpoint
+    steps, before anything is written."""
+
+    def __init__(self, device: torch.device):
+        self.first = torch.full((), -1, dtype=torch.long, device=device)  # step number, -1: none yet
+        self.terms = torch.zeros(4, dtype=torch.float32, device=device)  # loss, mse, vb, lb at that step
+
+    def update(self, step_number: int, step: "_Step") -> None:
+        new = (self.first < 0) & ~torch.isfinite(step.loss)
+        self.first = torch.where(new, step_number, self.first)
+        values = torch.stack([step.loss.float(), step.mse.float(), step.vb.float(), step.lb.float()])
+        self.terms = torch.where(new, values, self.terms)
+
+
+def _next_batch(batches: Iterator, data: _Data, space: LatentSpace, state: TrainState,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next batch on the device, the data position advanced, latents encoded if a VAE is in use."""
+    x, y = next(batches)
+    num_classes = len(data.classes)
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= num_classes):  # on the host, before the copy
+        raise ValueError(f"the data gave class ids in [{int(y.min())}, {int(y.max())}], outside [0, "
+                         f"{num_classes - 1}]: the dataset and the model's classes disagree.")
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    data.sampler.advance(data.per_process)
+    state.images_skipped += data.per_process - x.shape[0]  # unreadable images dropped (--on-corrupt skip)
+    if space.vae is not None:
+        with torch.no_grad():
+            shift = getattr(space.vae.config, "shift_factor", None) or 0.0
+            x = (space.vae.encode(x).latent_dist.sample() - shift) * space.scaling
+    return x, y
+
+
+def _train_step(cfg: TrainConfig, parts: Parts, model: torch.nn.Module, diffusion, x: torch.Tensor, y: torch.Tensor,
+                log_now: bool) -> _Step:
+    """One optimiser step on (x, y) through ``model`` (as accelerate prepared it): diffusion
+    loss plus ``lb_coeff`` times the load-balance loss, backward, clipping, AdamW, the LR
+    schedule and the EMA."""
+    acc = parts.accelerator
+    t = diffusion.sample_timesteps(x.shape[0], device=acc.device)
+    noise = torch.randn_like(x)
+    x_t = diffusion.q_sample(x, t, noise)
+    with acc.autocast():
+        out = model(x_t, t, y, output_load_balance_loss=True, output_head_usage=log_now and parts.model.is_moh)
+    terms = diffusion.training_losses(out.sample, x, x_t, t, noise)
+    loss = terms["loss"].mean() + cfg.lb_coeff * out.load_balance_loss
+    acc.backward(loss)
+    if parts.state.step < cfg.router_warmup_steps:
+        # Router warm-up: the other parameters get no gradient, so AdamW skips them entirely
+        # (no moment, no step count, no weight decay); their first update comes after it.
+        for name, param in model.named_parameters():
+            if ".router_" not in name:
+                param.grad = None
+    grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+    parts.optimizer.step()
+    parts.lr_scheduler.step()
+    parts.optimizer.zero_grad(set_to_none=True)
+    update_ema(parts.ema, parts.model, cfg.ema_decay)
+    parts.state.step += 1
+    parts.state.images_seen += cfg.global_batch_size
+    return _Step(loss.detach(), terms["mse"].mean().detach(), terms["vb"].mean().detach(),
+                 out.load_balance_loss.detach(), grad_norm, out.head_usage)
+
+
+def _stop_if_diverged(accelerator, watch: _DivergenceWatch, last_checkpoint: str | Path | None) -> None:
+    """Raise TrainingDivergedError on every process if the loss was NaN/inf at any step so
+    far on any of them, naming the first such step and ``last_checkpoint`` (one host sync,
+    at log, sample and checkpoint steps only)."""
+    first = watch.first.reshape(1)
+    terms = watch.terms.reshape(1, 4)
+    if accelerator.num_processes > 1:  # decided together: a rank that stopped alone would leave the others waiting
+        first, terms = accelerator.gather(first), accelerator.gather(terms)
+    steps = first.tolist()
+    bad = [(step, rank) for rank, step in enumerate(steps) if step >= 0]
+    if not bad:
+        return
+    step, rank = min(bad)
+    loss, mse, vb, lb = terms[rank].tolist()
+    where = f" on process {rank}" if accelerator.num_processes > 1 else ""
+    raise TrainingDivergedError(
+        f"The loss became {loss} at step {step}{where} (mse {mse:.4g}, vb {vb:.4g}, lb {lb:.4g}). "
+        f"The last good checkpoint is {last_checkpoint or 'none'}; lower --learning-rate, set --max-grad-norm, "
+        "or use bf16 instead of fp16, then resume."
+    )
+
+
+class _TrainLog:
+    """Sums over the steps since the last log (on-device tensors until the log reduces them),
+    and where a log goes: the trackers, the progress bar, train_log.jsonl and head_usage.jsonl."""
+
+    def __init__(self, cfg: TrainConfig, parts: Parts, flops_per_image: int | None, peak_flops: float | None):
+        self.cfg, self.parts, self.flops_per_image, self.peak_flops = cfg, parts, flops_per_image, peak_flops
+        self.progress = None
+        if parts.accelerator.is_main_process:
+            from tqdm.auto import tqdm
+
+            self.progress = tqdm(total=cfg.max_steps, initial=parts.state.step, desc="train", dynamic_ncols=True)
+        self._new_window()
+
+    def _new_window(self) -> None:
+        self.sums: dict[str, Any] = {"loss": 0.0, "mse": 0.0, "vb": 0.0, "lb": 0.0, "grad_norm": 0.0}
+        self.count, self.images, self.start = 0, 0, time.perf_counter()
+
+    def add(self, step: _Step) -> None:
+        self.images += self.cfg.global_batch_size
+        self.sums["loss"] += step.loss
+        self.sums["mse"] += step.mse
+        self.sums["vb"] += step.vb
+        self.sums["lb"] += step.lb
+        self.sums["grad_norm"] += step.grad_norm.detach() if torch.is_tensor(step.grad_norm) else step.grad_norm
+        self.count += 1
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def write(self, step: _Step) -> None:
+        """Averages over all processes of the steps since the last log, speed, MFU, LR and
+        skipped images; then a new window starts."""
+        acc, state = self.parts.accelerator, self.parts.state
+        elapsed = time.perf_counter() - self.start
+        logs = {k: float(acc.reduce(torch.as_tensor(v, device=acc.device, dtype=torch.float32), "mean")) / self.count
+                for k, v in self.sums.items()}
+        logs.update(steps_per_sec=self.count / elapsed, images_per_sec=self.images / elapsed,
+                    lr=self.parts.lr_scheduler.get_last_lr()[0], images_skipped=state.images_skipped)
+        if self.flops_per_image and self.peak_flops:
+            logs["mfu"] = logs["images_per_sec"] * self.flops_per_image / (self.peak_flops * acc.num_processes)
+        if self.parts.model.is_moh and step.head_usage is not None:
+            self._head_balance(step.head_usage, logs)
+        if self.cfg.report_to != "none":
+            acc.log(logs, step=state.step)
+        if self.progress is not None:
+            speed = {"it_s": f"{logs['steps_per_sec']:.2f}", "img_s": f"{logs['images_per_sec']:.1f}"}
+            if "mfu" in logs:
+                speed["mfu"] = f"{100 * logs['mfu']:.1f}%"
+            self.progress.set_postfix(loss=f"{logs['loss']:.4f}", mse=f"{logs['mse']:.4f}", lb=f"{logs['lb']:.3f}",
+                                      **speed)
+            with open(Path(self.cfg.output_dir) / "train_log.jsonl", "a") as f:
+                f.write(json.dumps({"step": state.step, **logs}) + "\n")
+        self._new_window()
+
+    def _head_balance(self, head_usage: list[torch.Tensor], logs: dict[str, Any]) -> None:
+        """Per-layer balance of the routed heads into ``logs``; the usage itself into head_usage.jsonl."""
+        for i, usage in enumerate(head_usage):
+            routed = usage[self.parts.model.layer_shared[i]:]
+            if routed.numel() > 1:
+                # coefficient of variation of routed-head usage: 0 = perfectly balanced
+                logs[f"head_balance_cv/layer_{i:02d}"] = (routed.std() / routed.mean().clamp_min(1e-8)).item()
+        if self.parts.accelerator.is_main_process:
+            with open(Path(self.cfg.output_dir) / "head_usage.jsonl", "a") as f:
+                f.write(json.dumps({"step": self.parts.state.step, "usage": [u.tolist() for u in head_usage]}) + "\n")
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+
+
+def _save_sample_grid(cfg: TrainConfig, parts: Parts, diffusion, space: LatentSpace, num_classes: int) -> None:
+    """``OUT/samples/step-N.png``: an EMA sample grid, four rows of up to 16 classes."""
+    from torchvision.utils import save_image
+
+    images = sample_grid(parts.ema, diffusion, num_classes, space.shape, space.vae, steps=cfg.sample_steps,
+                         per_class=4, seed=cfg.seed, device=parts.accelerator.device)
+    with atomic_write(Path(cfg.output_dir) / "samples" / f"step-{parts.state.step:07d}.png") as f:
+        save_image(images, f, nrow=min(num_classes, 16), format="png")
+
+
+@torch.no_grad()
+def update_ema(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
+    """ema <- decay * ema + (1 - decay) * model (DiT's constant decay), as two multi-tensor
+    ``torch._foreach_*`` updates over all parameters rather than two kernels per parameter.
+
+    Same arithmetic as ``e.mul_(decay).add_(p, alpha=1 - decay)`` per parameter, so the result
+    is bit-identical to that loop (``_foreach_lerp_`` would round differently and break the
+    equality with runs that used the loop). Parameters are paired by name."""
+    model_params = dict(model.named_parameters())
+    ema_list, model_list = [], []
+    for name, e in ema.named_parameters():
+        p = model_params[name].detach()
+        ema_list.append(e)
+        model_list.append(p if p.dtype == e.dtype and p.device == e.device else p.to(e))
+    if len(model_params) != len(ema_list):
+        missing = sorted(set(model_params) - {n for n, _ in ema.named_parameters()})
+        raise KeyError(f"the EMA model lacks parameters {missing[:3]}; it must be a copy of the model.")
+    torch._foreach_mul_(ema_list, decay)
+    torch._foreach_add_(ema_list, model_list, alpha=1 - decay)
+
+
+@torch.no_grad()
+def sample_grid(model, diffusion, num_classes: int, latent_shape, vae=None, steps: int = 50, per_class: int = 1,
+                seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Images in [0, 1] (N, 3, H, W) from ``model`` with a respaced DDPM, one row per seed,
+    classes in order (up to 16), no guidance. For monitoring, not evaluation."""
+    sampler = diffusion.respace(steps)
+    classes = list(range(min(num_classes, 16)))
+    labels = torch.tensor(classes * per_class, device=device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn((len(labels), *latent_shape), generator=gen).to(device)
+    timestep_map = sampler.timestep_map.to(device)
+    for i in reversed(range(sampler.num_timesteps)):
+        t = torch.full((len(labels),), i, device=device, dtype=torch.long)
+        out = model(x, timestep_map[t], labels).sample
+        noise = torch.randn(x.shape, generator=gen).to(device)
+        # IDDPM clips the predicted image to [-1, 1] in pixel space; DiT does not clip latents.
+        x = sampler.p_sample(out.float(), x.float(), t, noise=noise, clip_denoised=vae is None)["sample"]
+    if vae is not None:
+        x = vae.decode(x / vae.config.scaling_factor).sample
+    return ((x.clamp(-1, 1) + 1) / 2).float().cpu()
+
+
+# --------------------------------------------------------------------------------------
+# Finish
+# --------------------------------------------------------------------------------------
+
+
+def _export_final(cfg: TrainConfig, parts: Parts, class_to_idx: dict[str, int]) -> Path:
     """``OUT/final``: the EMA model and its class map, published whole by the main process."""
-    accelerator = ctx.parts.accelerator
-    if ctx.parts.state.images_skipped:
-        accelerator.print(f"Skipped {ctx.parts.state.images_skipped} unreadable images (--on-corrupt skip).")
-    final = Path(ctx.cfg.output_dir) / "final"
+    accelerator = parts.accelerator
+    if parts.state.images_skipped:
+        accelerator.print(f"Skipped {parts.state.images_skipped} unreadable images (--on-corrupt skip).")
+    final = Path(cfg.output_dir) / "final"
     if accelerator.is_main_process:
         # Replaces only this run's previous export: a refused start protects any other.
         with publish_folder(final, replace=True) as tmp:
-            ctx.parts.ema.save_pretrained(tmp, safe_serialization=True)
+            parts.ema.save_pretrained(tmp, safe_serialization=True)
             write_class_index(class_to_idx, tmp / "class_index.json")
     accelerator.wait_for_everyone()
     accelerator.end_training()
