@@ -17,86 +17,71 @@ checked against their recorded SHA-256 before a resume (see docs/training.md).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import typing
 
 from moh_dit.utils.cli import EXPECTED_ERRORS, run_cli
-from moh_dit.models.presets import PRESETS
-from moh_dit.utils.speed import COMPILE_MODES
 from moh_dit.training import TrainConfig, TrainingDivergedError, preflight, train
+
+# The order --help lists the flags in (each TrainConfig field with a flag, once; checked).
+HELP_ORDER = ("preset", "data_dir", "latents_dir", "vae", "vae_subfolder", "image_size", "output_dir", "max_steps",
+              "global_batch_size", "learning_rate", "weight_decay", "warmup_steps", "max_grad_norm",
+              "checkpoint_every", "checkpoints_total_limit", "resume", "init_from", "router_warmup_steps",
+              "mixed_precision", "allow_tf32", "seed", "lb_coeff", "ema_decay", "class_dropout",
+              "gradient_checkpointing", "compile", "compile_per_block", "compile_mode", "num_workers", "on_corrupt",
+              "random_flip", "log_every", "sample_every", "sample_steps", "report_to")
+
+
+def _flag_fields() -> dict[str, dataclasses.Field]:
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig) if "flag" in f.metadata}
+    if sorted(fields) != sorted(HELP_ORDER):
+        raise AssertionError(f"HELP_ORDER lists {sorted(HELP_ORDER)}, TrainConfig's flags are {sorted(fields)}")
+    return {name: fields[name] for name in HELP_ORDER}
+
+
+def _add_flag(parser, f: dataclasses.Field, value_type: type) -> None:
+    """``f``'s flag: spelling, help and choices from its metadata, default and type from the field."""
+    meta = f.metadata
+    name = meta["flag"] or "--" + f.name.replace("_", "-")
+    kwargs = {"dest": f.name, "help": meta["help"]}
+    if value_type is bool:
+        kwargs.update(action="store_false" if meta["negated"] else "store_true")
+    elif f.default is dataclasses.MISSING:
+        kwargs.update(required=meta["one_of"] is None)
+    else:
+        kwargs.update(default=f.default)
+    if value_type in (int, float):
+        kwargs["type"] = value_type
+    for key in ("choices", "metavar"):
+        if meta[key] is not None:
+            kwargs[key] = list(meta[key]) if key == "choices" else meta[key]
+    parser.add_argument(name, **kwargs)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", required=True, choices=list(PRESETS), metavar="PRESET",
-                   help=f"model preset: {', '.join(PRESETS)}")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data-dir", help="ImageFolder: one sub-folder of images per class")
-    src.add_argument("--latents-dir", help="latent cache written by scripts/extract_latents.py")
-    p.add_argument("--vae", default="stabilityai/sd-vae-ft-ema",
-                   help="AutoencoderKL hub id or local folder, or 'none' for pixel space (default: %(default)s)")
-    p.add_argument("--vae-subfolder", default=None, help="subfolder of --vae holding the VAE (e.g. 'vae' of a pipeline)")
-    p.add_argument("--image-size", type=int, default=256)
-    p.add_argument("--output-dir", required=True)
-    p.add_argument("--max-steps", type=int, default=400_000)
-    p.add_argument("--global-batch-size", type=int, default=256)
-    p.add_argument("--learning-rate", type=float, default=1e-4)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this norm (default: off, as DiT)")
-    p.add_argument("--checkpoint-every", type=int, default=50_000)
-    p.add_argument("--checkpoints-total-limit", type=int, default=2,
-                   help="keep this many newest checkpoints of this run (0: all; default: %(default)s)")
-    p.add_argument("--resume", default=None,
-                   help="'latest' (the newest intact checkpoint of --output-dir; falls back past damaged ones) "
-                        "or a checkpoint folder")
-    p.add_argument("--init-from", default=None,
-                   help="start a new run from the weights of a saved model folder (scripts/upcycle.py's output, a run's "
-                        "final/); new optimiser, EMA starting as a copy of them; not with --resume")
-    p.add_argument("--router-warmup-steps", type=int, default=0,
-                   help="MoH presets: train only the router parameters for the first N steps (default: %(default)s)")
-    p.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no")
-    p.add_argument("--no-tf32", action="store_true", help="disable TF32 matmuls on Ampere+ GPUs")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lb-coeff", type=float, default=0.01, help="weight of the MoH load-balance loss")
-    p.add_argument("--ema-decay", type=float, default=0.9999)
-    p.add_argument("--class-dropout", type=float, default=0.1, help="label dropout for classifier-free guidance")
-    p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the transformer (the first steps take longer while it compiles; checkpoints "
-                        "are the same as without it, so a run may resume with or without the flag)")
-    p.add_argument("--compile-per-block", action="store_true",
-                   help="with --compile: compile each transformer block instead of the whole model (compiles faster)")
-    p.add_argument("--compile-mode", choices=list(COMPILE_MODES), default=None,
-                   help="with --compile: torch.compile's mode (default: torch's default)")
-    p.add_argument("--num-workers", type=int, default=4)
-    p.add_argument("--on-corrupt", choices=["error", "skip"], default="error",
-                   help="unreadable images: stop with the file name (default) or skip and count them")
-    p.add_argument("--no-flip", action="store_true", help="disable random horizontal flips")
-    p.add_argument("--log-every", type=int, default=100)
-    p.add_argument("--sample-every", type=int, default=0, help="save an EMA sample grid every N steps (0: off)")
-    p.add_argument("--sample-steps", type=int, default=50, help="DDPM steps of the monitoring grid")
-    p.add_argument("--report-to", choices=["tensorboard", "wandb", "none"], default="tensorboard")
+    hints = typing.get_type_hints(TrainConfig)
+    groups: dict[str, typing.Any] = {}
+    for f in _flag_fields().values():
+        one_of = f.metadata["one_of"]
+        if one_of is not None and one_of not in groups:
+            groups[one_of] = p.add_mutually_exclusive_group(required=True)
+        value_type = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+        _add_flag(groups[one_of] if one_of is not None else p, f, value_type)
     p.add_argument("--dry-run", action="store_true",
                    help="check everything, print the resolved configuration and exit (writes nothing, takes no lock)")
     return p.parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        preset=args.preset, output_dir=args.output_dir, data_dir=args.data_dir, latents_dir=args.latents_dir,
-        vae=args.vae, vae_subfolder=args.vae_subfolder, image_size=args.image_size, max_steps=args.max_steps,
-        global_batch_size=args.global_batch_size, learning_rate=args.learning_rate, weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps, max_grad_norm=args.max_grad_norm, checkpoint_every=args.checkpoint_every,
-        checkpoints_total_limit=args.checkpoints_total_limit or None, resume=args.resume,
-        mixed_precision=args.mixed_precision, allow_tf32=not args.no_tf32, seed=args.seed, lb_coeff=args.lb_coeff,
-        ema_decay=args.ema_decay, class_dropout=args.class_dropout, gradient_checkpointing=args.gradient_checkpointing,
-        num_workers=args.num_workers, on_corrupt=args.on_corrupt, random_flip=not args.no_flip,
-        log_every=args.log_every, sample_every=args.sample_every, sample_steps=args.sample_steps,
-        report_to=args.report_to, init_from=args.init_from, router_warmup_steps=args.router_warmup_steps,
-        compile=args.compile, compile_per_block=args.compile_per_block, compile_mode=args.compile_mode,
-    )
+    values = {}
+    for name, f in _flag_fields().items():
+        convert = f.metadata["from_flag"]
+        values[name] = getattr(args, name) if convert is None else convert(getattr(args, name))
+    return TrainConfig(**values)
 
 
 def main(args: argparse.Namespace) -> int:
