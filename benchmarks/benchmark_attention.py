@@ -41,8 +41,9 @@ from moh_dit.utils.cli import run_cli
 from moh_dit.models.flops import attention_flops
 from moh_dit.utils.io import write_json_atomic
 from moh_dit.models.presets import PRESETS
-from moh_dit.models.sparse_attention import STRATEGIES, MoHSparseAttnProcessor, ideal_flop_ratio
-from moh_dit.models.transformer_moh_dit import MoHAttention, min_top_k
+from moh_dit.models.attention import MoHAttention
+from moh_dit.models.layout import min_top_k
+from moh_dit.models.sparse_attention import STRATEGIES, MoHSparseAttnProcessor
 
 from common import interleaved_medians, pick_device, randomize_weights_
 
@@ -87,7 +88,7 @@ def layer_rows(
     rows = []
     for r in ratios:
         k, realised, skips = layouts[r]
-        ideal = ideal_flop_ratio(tokens, dim, heads * head_dim, realised)
+        ideal = attention_flops(tokens, dim, heads * head_dim, realised) / attention_flops(tokens, dim, heads * head_dim)
         sparse = med[f"sparse@{r}"] / med["dense"]
         forced = med.get(f"forced@{r}")
         rows.append(dict(

@@ -8,17 +8,11 @@ upcycling, export) and ``utils``; the pipeline is ``moh_dit.pipelines``.
 """
 
 from . import _compat
+from .models.attention import MoHAttention, MoHAttnProcessor, MoHRouting
+from .models.layout import HeadLayout, top_k_for_ratio
 from .models.presets import PRESETS, get_preset, head_activation_ratio_of_config
 from .models.sparse_attention import MoHSparseAttnProcessor
-from .models.transformer_moh_dit import (
-    MoHAttention,
-    MoHAttnProcessor,
-    MoHDiTBlock,
-    MoHDiTTransformer2DModel,
-    MoHDiTTransformer2DModelOutput,
-    MoHRouting,
-    top_k_for_ratio,
-)
+from .models.transformer_moh_dit import MoHDiTBlock, MoHDiTTransformer2DModel, MoHDiTTransformer2DModelOutput
 from .pipelines.pipeline_moh_dit import MoHDiTPipeline, MoHDiTPipelineOutput
 
 __version__ = "0.1.0"
@@ -27,6 +21,7 @@ __all__ = [
     "PRESETS",
     "get_preset",
     "head_activation_ratio_of_config",
+    "HeadLayout",
     "MoHAttention",
     "MoHAttnProcessor",
     "MoHDiTBlock",

@@ -21,9 +21,9 @@ __all__ = ["MOVED", "install"]
 # old module under moh_dit -> new module under moh_dit
 MOVED: dict[str, str] = {
     "transformer_moh_dit": "models.transformer_moh_dit",
-    "moh_routing": "models.moh_routing",
+    "moh_routing": "models.attention",
     "sparse_attention": "models.sparse_attention",
-    "head_layout": "models.head_layout",
+    "head_layout": "models.layout",
     "head_activation": "models.head_activation",
     "presets": "models.presets",
     "flops": "models.flops",

@@ -11,7 +11,7 @@ import torch
 
 from moh_dit import MoHDiTTransformer2DModel
 from moh_dit.models.sparse_attention import STRATEGIES, MoHSparseAttnProcessor
-from moh_dit.models.transformer_moh_dit import MoHAttention, MoHAttnProcessor
+from moh_dit.models.attention import MoHAttention, MoHAttnProcessor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,8 +1,10 @@
 """moh_dit.models.flops: the attention formula by hand, the whole forward pass against torch's own
 FLOP counter, DiT-XL/2 against the DiT paper, ratios, and the callers that must keep their
-numbers (sparse_attention.ideal_flop_ratio, the sweep's FLOP columns)."""
+numbers (the tests' ideal_flop_ratio, the sweep's FLOP columns)."""
 
+import importlib.util
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +13,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from moh_dit import MoHDiTTransformer2DModel, PRESETS, get_preset
 from moh_dit.models.flops import attention_flops, forward_flop_terms, forward_flops, model_attention_flops
-from moh_dit.models.sparse_attention import ideal_flop_ratio
 from moh_dit.sampling.sweep import attention_flops as sweep_attention_flops
+
+# Test-only helpers, loaded by path (pytest's importlib mode: tests/ is not a package).
+_spec = importlib.util.spec_from_file_location("reference_attention", Path(__file__).with_name("reference_attention.py"))
+reference = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(reference)
+ideal_flop_ratio = reference.ideal_flop_ratio
 
 
 def meta_model(name: str, **overrides) -> MoHDiTTransformer2DModel:

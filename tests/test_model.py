@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from moh_dit import PRESETS, MoHDiTTransformer2DModel, head_activation_ratio_of_config, top_k_for_ratio
 from moh_dit.hub.convert import model_to_release_state_dict, release_state_dict_to_model
-from moh_dit.models.transformer_moh_dit import MoHAttention, min_top_k
+from moh_dit.models.attention import MoHAttention, MoHAttnProcessor
+from moh_dit.models.layout import HeadLayout, min_top_k
 
 # A layout with per-layer head counts and inner width != hidden (like XL), every gate case.
 UNEVEN = dict(
@@ -232,7 +233,7 @@ def _attention(h, hs, k, mode="release", seed=0):
 @pytest.mark.parametrize("h, hs, k", [(6, 2, 2), (6, 0, 3), (5, 1, 2), (4, 4, 0), (4, 3, 1)])
 def test_gate_invariants_release(h, hs, k):
     attn, x = _attention(h, hs, k)
-    r = attn.route(x, need_stats=True)
+    r = attn.route(x)
     g = r.gates
     assert g.shape == (2, 10, h)
     routed = g[..., hs:]
@@ -273,12 +274,12 @@ def test_load_balance_loss_hand_case():
     x = torch.tensor([[[l3, 0.0], [0.0, l3], [l3, 0.0], [l3, 0.0]]])
     # probs: [.75,.25], [.25,.75], [.75,.25], [.75,.25] -> P = [.625,.375], f = [.75,.25]
     # l = E * sum P f = 2 * (.625*.75 + .375*.25) = 1.125
-    r = attn.route(x, need_stats=True)
+    r = attn.route(x)
     assert r.load_balance_loss.item() == pytest.approx(1.125, abs=1e-6)
     assert torch.allclose(r.head_usage, torch.tensor([1.0, 0.75, 0.25]))
     # the gradient flows through P only (f is a count)
     attn.router_routed.weight.requires_grad_(True)
-    (g_model,) = torch.autograd.grad(attn.route(x, need_stats=True).load_balance_loss, attn.router_routed.weight)
+    (g_model,) = torch.autograd.grad(attn.route(x).load_balance_loss, attn.router_routed.weight)
     p = torch.softmax(x[0] @ attn.router_routed.weight.T, -1)
     manual = 2 * (p.mean(0) * torch.tensor([0.75, 0.25])).sum()
     (g_manual,) = torch.autograd.grad(manual, attn.router_routed.weight)
@@ -289,7 +290,7 @@ def test_model_load_balance_loss_is_mean_over_routed_layers(randomize):
     model = make("MoH-DiT-Tiny", randomize, sample_size=8)
     x, t, y = inputs(model)
     per_layer = []
-    hooks = [b.attn1.register_forward_hook(lambda m, i, o: per_layer.append(o[1].load_balance_loss))
+    hooks = [b.attn1.register_forward_hook(lambda m, i, o: per_layer.append(m.routing.load_balance_loss))
              for b in model.transformer_blocks]
     out = model(x, t, y, output_load_balance_loss=True)
     for hk in hooks:
@@ -509,3 +510,77 @@ def test_label_embedding_init_std_is_an_initialisation_option():
     assert demo.config.label_embedding_init_std == 1.0 and demo.config.patch_size == 2
     with pytest.raises(ValueError, match="label_embedding_init_std"):
         MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", label_embedding_init_std=-1.0)
+
+
+# ------------------------------------------------------------------ attention like diffusers' Attention
+def test_attention_forward_returns_hidden_states_and_leaves_its_routing():
+    """``MoHAttention(x)`` returns the (B, N, D) output only, like diffusers' ``Attention``; the
+    call's routing waits on ``attn.routing``, and the block reads and clears it."""
+    attn, x = _attention(6, 2, 2)
+    out = attn(x)
+    assert torch.is_tensor(out) and out.shape == x.shape
+    assert torch.equal(attn.routing.gates, attn.route(x).gates)
+    assert attn.routing.load_balance_loss is not None and attn.routing.head_usage.shape == (6,)
+    dense, _ = _attention(4, None, None)
+    assert torch.is_tensor(dense(x)) and dense.routing is None
+
+
+def test_blocks_read_and_clear_the_routing(randomize):
+    """The model's statistics come from each layer's routing, which no layer keeps after the
+    forward pass (no tensors held between steps), with and without gradient checkpointing."""
+    model = make("MoH-DiT-Tiny", randomize, sample_size=8).train()
+    x, t, y = inputs(model)
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+        out = model(x, t, y, output_head_usage=True)
+        out.load_balance_loss.backward()
+        assert out.load_balance_loss.item() > 0 and len(out.head_usage) == 6
+        assert model.transformer_blocks[1].attn1.router_routed.weight.grad.abs().sum() > 0
+        assert all(block.attn1.routing is None for block in model.transformer_blocks)
+        model.zero_grad()
+
+
+def test_attn_processors_and_set_attn_processor(randomize):
+    """diffusers' processor API: ``attn_processors`` lists every layer's processor, and
+    ``set_attn_processor`` sets one for all layers or a dict of them."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    model = make("DiT-Tiny", randomize, sample_size=8)
+    processors = model.attn_processors
+    assert list(processors) == [f"transformer_blocks.{i}.attn1.processor" for i in range(6)]
+    assert all(type(p) is MoHAttnProcessor for p in processors.values())
+    x, t, y = inputs(model)
+    ours = model(x, t, y).sample
+    model.set_attn_processor(AttnProcessor2_0())
+    assert all(type(p) is AttnProcessor2_0 for p in model.attn_processors.values())
+    assert torch.allclose(model(x, t, y).sample, ours, atol=1e-6)
+    model.set_attn_processor(processors)  # back, by name
+    assert torch.equal(model(x, t, y).sample, ours)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_stock_diffusers_processor_equals_ours_on_a_dense_layer(bias):
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    torch.manual_seed(0)
+    attn = MoHAttention(16, 4, 8, bias=bias).eval()
+    x = torch.randn(2, 10, 16)
+    ours = attn(x)
+    attn.set_processor(AttnProcessor2_0())  # the same SDPA call: the same bits
+    assert torch.equal(attn(x), ours) and attn.routing is None
+    attn.set_processor(AttnProcessor())  # explicit softmax(QK^T)V
+    assert torch.allclose(attn(x), ours, atol=1e-6)
+
+
+def test_head_layout_is_parsed_once():
+    """One type for the layer layout: what the model, the presets and the FLOP count read."""
+    layout = HeadLayout.of_config(PRESETS["MoH-DiT-Tiny"])
+    assert layout == HeadLayout((4,) * 6, (4, 2, 2, 1, 2, 0), (0, 1, 1, 2, 1, 2)) and layout.is_moh
+    assert layout.activation_ratio() == 0.75 and layout.reachable_range() == (0.5, 1.0)
+    assert layout.top_k_for_ratio(1.0) == [0, 2, 2, 3, 2, 4]
+    assert HeadLayout.of_config(PRESETS["DiT-Tiny"]) == HeadLayout((4,) * 6, None, None)
+    model = MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8)
+    assert model.layout == layout and model.trained_top_k == [0, 1, 1, 2, 1, 2]
+    with pytest.raises(ValueError, match="Layer 1: top_k=3"):
+        HeadLayout.parse(2, 4, [4, 2], [0, 3])

@@ -2,16 +2,26 @@
 
 import ast
 import dataclasses
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
 import moh_dit
+import moh_dit.models.attention as attention
 import moh_dit.models.sparse_attention as sparse_attention
+import moh_dit.models.transformer_moh_dit as transformer
 from moh_dit import PRESETS, MoHDiTTransformer2DModel, top_k_for_ratio
-from moh_dit.models.sparse_attention import MoHSparseAttnProcessor, ideal_flop_ratio, sparse_attention_reference
-from moh_dit.models.transformer_moh_dit import MoHAttention, MoHAttnProcessor, MoHRouting, SparseInferencePolicy
+from moh_dit.models.attention import MoHAttention, MoHAttnProcessor, MoHRouting
+from moh_dit.models.fast_paths import SparseInferencePolicy
+from moh_dit.models.sparse_attention import MoHSparseAttnProcessor
+
+# Test-only helpers, loaded by path (pytest's importlib mode: tests/ is not a package).
+_spec = importlib.util.spec_from_file_location("reference_attention", Path(__file__).with_name("reference_attention.py"))
+reference = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(reference)
+ideal_flop_ratio, sparse_attention_reference = reference.ideal_flop_ratio, reference.sparse_attention_reference
 
 DENSE = MoHAttnProcessor()
 # dense_above=1.0: always skip, so that dense layouts really test the sparse computation.
@@ -54,7 +64,7 @@ def crafted_routing(attn, batch, tokens, allowed, seed=0):
         [torch.rand(batch, tokens, hs, generator=gen) + 0.1,
          torch.zeros(batch, tokens, e).scatter(-1, routed_index, routed_gates)], dim=-1
     )
-    return MoHRouting(gates, routed_index, routed_gates, None, None)
+    return MoHRouting(gates, routed_index, routed_gates)
 
 
 # Every (h, hs, K) with hs = 0, 1, many and K = 1 .. h - hs for small h.
@@ -185,7 +195,7 @@ def test_autocast_computes_dense_masked():
         assert not attn.uses_sparse_processor(12, x.device)
         for processor in ALL:
             attn.sparse_processor = processor
-            assert torch.equal(attn(x)[0], ref), processor.strategy
+            assert torch.equal(attn(x), ref), processor.strategy
             with pytest.raises(ValueError, match="autocast"):
                 processor(attn, x, routing)
     attn.sparse_processor = SPARSE
@@ -400,9 +410,10 @@ def test_policy_thresholds_are_per_model(randomize):
 
 
 def test_sparse_module_never_imports_the_model():
-    """The model imports the sparse module, not the other way round: nothing the sparse module
-    imports, directly or through other package modules (inside functions and under
-    TYPE_CHECKING too), is the model file; and the names that moved still import from both."""
+    """The attention and the model import the sparse module, not the other way round: nothing
+    the sparse module imports, directly or through other package modules (inside functions
+    and under TYPE_CHECKING too), is the model or attention file; and the names that moved
+    still import from every public place."""
     package = Path(sparse_attention.__file__).parent
     seen, todo = set(), ["sparse_attention"]
     while todo:
@@ -418,8 +429,8 @@ def test_sparse_module_never_imports_the_model():
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moh_dit"):
                 todo.append((node.module.split(".") + [""])[1] or "__init__")
         todo = [t for t in todo if (package / f"{t}.py").is_file()]
-    assert "transformer_moh_dit" not in seen and "__init__" not in seen, sorted(seen)
-    assert moh_dit.MoHRouting is sparse_attention.MoHRouting is MoHRouting
+    assert not {"transformer_moh_dit", "attention", "__init__"} & seen, sorted(seen)
+    assert moh_dit.MoHRouting is transformer.MoHRouting is MoHRouting
 
 
 def test_dense_above_threshold():
@@ -433,8 +444,8 @@ def test_dense_above_threshold():
     assert not attn.uses_sparse_processor(9, torch.device("cpu"))  # the layer decides, once
     x = torch.randn(2, 9, 16)
     with torch.no_grad():
-        out, routing = attn(x)
-        assert torch.equal(out, DENSE(attn, x, routing))
+        out = attn(x)
+        assert torch.equal(out, DENSE(attn, x, attn.routing))
 
 
 def test_ideal_flop_ratio():
@@ -445,7 +456,7 @@ def test_ideal_flop_ratio():
 
 
 # --------------------------------------------------------------------------------------
-# The fused QKV + router GEMM (moh_dit.models.moh_routing)
+# The fused QKV + router GEMM (moh_dit.models.fast_paths)
 # --------------------------------------------------------------------------------------
 
 
@@ -456,7 +467,7 @@ def _fused_and_separate(attn, x, need_stats):
         attn.fused_projections = fused
         attn.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
-        out, routing = attn(xi, need_stats)
+        out, routing = attn(xi), attn.routing
         loss = out.square().sum() + (routing.load_balance_loss if routing is not None and need_stats
                                      and routing.load_balance_loss is not None else 0)
         loss.backward()
@@ -493,18 +504,16 @@ def test_fused_projection_equals_separate_linears_with_gradients(heads, shared, 
 
 
 def test_fused_path_is_taken_and_wrapped_projections_fall_back(monkeypatch):
-    import moh_dit.models.transformer_moh_dit as tm
-
     calls = []
-    real = tm.fused_dense_masked_attention
-    monkeypatch.setattr(tm, "fused_dense_masked_attention", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    real = attention.fused_projections
+    monkeypatch.setattr(attention, "fused_projections", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     torch.manual_seed(0)
     attn = MoHAttention(48, 6, 8, 2, 2).eval()
     attn.fused_projections = True  # forced: the default fuses on CUDA only
     x = torch.randn(2, 10, 48)
     with torch.no_grad():
         attn.sparse_inference = False
-        expected, _ = attn(x)
+        expected = attn(x)
     assert calls == [1]
 
     class Wrapped(torch.nn.Linear):  # what a LoRA layer looks like to the model: not a plain Linear
@@ -514,7 +523,7 @@ def test_fused_path_is_taken_and_wrapped_projections_fall_back(monkeypatch):
     wrapped.load_state_dict(attn.to_q.state_dict())
     attn.to_q = wrapped
     with torch.no_grad():
-        out, _ = attn(x)
+        out = attn(x)
     assert calls == [1] and torch.allclose(out, expected, atol=1e-5)
 
 
@@ -527,17 +536,17 @@ def test_cached_fused_weight_follows_weight_changes():
     attn.fused_projections = True  # forced: the default fuses on CUDA only
     x = torch.randn(2, 10, 48)
     with torch.no_grad():
-        first, _ = attn(x)
+        first = attn(x)
         attn.router_routed.weight.mul_(-3.0)
         attn.to_v.bias.add_(1.0)
-        changed, _ = attn(x)
+        changed = attn(x)
         attn.fused_projections = False
-        reference, _ = attn(x)
-    assert not torch.allclose(first, changed) and torch.allclose(changed, reference, atol=1e-5)
+        separate = attn(x)
+    assert not torch.allclose(first, changed) and torch.allclose(changed, separate, atol=1e-5)
     attn.fused_projections = True
     attn.to(torch.float64)
     with torch.no_grad():
-        assert attn(x.double())[0].dtype == torch.float64
+        assert attn(x.double()).dtype == torch.float64
 
 
 def test_fused_projections_default_to_cuda_only():
@@ -548,10 +557,10 @@ def test_fused_projections_default_to_cuda_only():
     attn.sparse_inference = False
     assert attn.fused_projections is None
     x = torch.randn(2, 10, 48)
-    default, _ = attn(x)
+    default = attn(x)
     attn.fused_projections = False
-    separate, _ = attn(x)
+    separate = attn(x)
     attn.fused_projections = True
-    fused, _ = attn(x)
+    fused = attn(x)
     assert torch.equal(default, separate)
     assert torch.allclose(fused, separate, atol=1e-5)

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 import diffusers
 from huggingface_hub import ModelCardData
 
-from ..models.presets import PRESETS, resolve_layer_layout
+from ..models.layout import HeadLayout
+from ..models.presets import PRESETS
 
 __all__ = ["PIPELINE_TAG", "TAGS", "CITATION", "match_presets", "model_card"]
 
@@ -44,20 +45,15 @@ _METRICS = (("fid", "FID"), ("sfid", "sFID"), ("inception_score", "IS"), ("preci
 _CLASS_ACCURACY = (("class_accuracy", "class accuracy"),)  # only when a classifier measured it
 
 
-def _layout(config: dict[str, Any]) -> tuple[list[int], list[int] | None, list[int] | None]:
-    return resolve_layer_layout(config["num_layers"], config["num_attention_heads"], config.get("num_shared_heads"),
-                                config.get("top_k"))
-
-
 def match_presets(config: dict[str, Any]) -> list[str]:
     """The presets whose architecture (layers, widths, per-layer heads, shared heads and top-K,
     patch, channels) equals ``config``'s; sample size and classes may differ."""
     defaults = {"mlp_ratio": 4.0, "gate_mode": "release", "learn_sigma": True}
-    layout = _layout(config)
+    layout = HeadLayout.of_config(config)
     names = []
     for name, preset in PRESETS.items():
         same = all(preset.get(key, defaults.get(key)) == config.get(key, defaults.get(key)) for key in _ARCHITECTURE)
-        if same and _layout(preset) == layout:
+        if same and HeadLayout.of_config(preset) == layout:
             names.append(name)
     return names
 

@@ -30,8 +30,9 @@ import torch
 from .convert import _check_output, convert_checkpoint
 from ..diffusion.gaussian_diffusion import create_diffusion
 from ..utils.io import publish_folder, write_json_atomic
-from ..models.presets import PRESETS, UPCYCLED_PRESETS, resolve_layer_layout
-from ..models.sparse_attention import MoHRouting, dense_masked_attention
+from ..models.attention import MoHAttnProcessor, MoHRouting
+from ..models.layout import HeadLayout
+from ..models.presets import PRESETS, UPCYCLED_PRESETS
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 
 __all__ = ["LayerChoice", "UpcycleReport", "load_dense", "resolve_layout", "calibration_batches", "head_importance",
@@ -167,7 +168,7 @@ def resolve_layout(dense: MoHDiTTransformer2DModel, activation: float | None = N
             raise ValueError("--shared-heads and --top-k (shared_heads=, top_k=) go together; give both.")
         shared = _per_layer(shared_heads, layers, "--shared-heads")
         k = _per_layer(top_k, layers, "--top-k")
-        resolve_layer_layout(layers, heads, shared, k)  # raises naming the bad layer
+        HeadLayout.parse(layers, heads, shared, k)  # raises naming the bad layer
         return None, shared, k
     fits = [name for name, (dense_name, act) in UPCYCLED_PRESETS.items()
             if all(_preset_value(dense_name, key) == dense.config[key] for key in _ARCH_KEYS)]
@@ -345,8 +346,8 @@ class _HeadMaskProcessor:
     def __init__(self, mask: torch.Tensor):
         self.mask = mask
 
-    def __call__(self, attn, hidden_states, routing=None):
-        return dense_masked_attention(attn, hidden_states, MoHRouting(self.mask, None, None, None, None))
+    def __call__(self, attn, hidden_states):
+        return MoHAttnProcessor()(attn, hidden_states, MoHRouting(self.mask))
 
 
 @torch.no_grad()
@@ -368,7 +369,7 @@ def routing_head_masks(moh: MoHDiTTransformer2DModel, x, t, y, choices: list[Lay
     """``(sample, gates)``: the MoH model's output and, per layer, its gates (B, N, h) put back in
     dense head order (zero where a token did not select a routed head)."""
     found: list[torch.Tensor] = []
-    hooks = [block.attn1.register_forward_hook(lambda _m, _i, out: found.append(out[1].gates))
+    hooks = [block.attn1.register_forward_hook(lambda attn, _i, _out: found.append(attn.routing.gates))
              for block in moh.transformer_blocks]
     try:
         sample = moh(x, t, y).sample

@@ -4,8 +4,10 @@ The network is a function of (noisy input, timestep, class) and knows nothing ab
 schedules (those are in :mod:`moh_dit.diffusion`).
 """
 
+from .attention import MoHAttention
+from .layout import HeadLayout
 from .presets import PRESETS, get_preset, head_activation_ratio_of_config
-from .transformer_moh_dit import MoHAttention, MoHDiTBlock, MoHDiTTransformer2DModel, MoHDiTTransformer2DModelOutput
+from .transformer_moh_dit import MoHDiTBlock, MoHDiTTransformer2DModel, MoHDiTTransformer2DModelOutput
 
-__all__ = ["PRESETS", "get_preset", "head_activation_ratio_of_config", "MoHAttention", "MoHDiTBlock",
+__all__ = ["PRESETS", "get_preset", "head_activation_ratio_of_config", "HeadLayout", "MoHAttention", "MoHDiTBlock",
            "MoHDiTTransformer2DModel", "MoHDiTTransformer2DModelOutput"]

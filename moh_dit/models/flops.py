@@ -8,10 +8,10 @@ are counted (biases, norms, softmaxes, activations, gating and the einsum that u
 are not), which is what ``torch.utils.flop_counter.FlopCounterMode`` and the DiT paper's
 GFLOPs (multiply-adds, so half these numbers) count.
 
-``sparse_attention.ideal_flop_ratio`` and the sweep's FLOP columns (``moh_dit.sampling.sweep``) are
-computed here. This module imports only ``presets``, ``head_activation`` and ``head_layout``
-from the package (no model code), so the model's own modules may use it; a config dict is
-counted at any ratio with the model's top-K rule (``head_layout.top_k_for_ratio``).
+The sweep's FLOP columns (``moh_dit.sampling.sweep``) and the attention benchmark's ideal
+ratios are computed here. This module imports only ``layout`` and ``head_activation`` from the
+package (no model code); a config dict is counted at any ratio with the model's top-K rule
+(``HeadLayout.top_k_for_ratio``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
 from .head_activation import preview_head_activation
-from .head_layout import top_k_for_ratio
-from .presets import resolve_layer_layout
+from .layout import HeadLayout
 
 __all__ = [
     "TIMESTEP_FEATURES",
@@ -73,10 +72,12 @@ class _Layout:
     patch_size: int
     head_dim: int
     mlp_hidden: int
-    heads: list[int]
-    shared: list[int] | None  # None: dense DiT
-    trained_top_k: list[int] | None
+    head_layout: HeadLayout  # per layer: heads, shared heads (None: dense DiT), trained top-K
     current_top_k: list[int] | None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.head_layout.heads)
 
 
 def _layout(config_or_model: Mapping[str, Any] | Any) -> _Layout:
@@ -87,9 +88,7 @@ def _layout(config_or_model: Mapping[str, Any] | Any) -> _Layout:
         raise ValueError(
             f"the config lacks {missing}; pass a MoHDiTTransformer2DModel config (e.g. get_preset(...)) or a model."
         )
-    heads, shared, top_k = resolve_layer_layout(
-        config["num_layers"], config["num_attention_heads"], config.get("num_shared_heads"), config.get("top_k")
-    )
+    head_layout = HeadLayout.of_config(config)
     # The constructor's defaults, for config dicts that leave these out (presets do).
     out_channels = config.get("out_channels") or config["in_channels"] * (2 if config.get("learn_sigma", True) else 1)
     hidden = config["hidden_size"]
@@ -97,15 +96,15 @@ def _layout(config_or_model: Mapping[str, Any] | Any) -> _Layout:
         tokens=(config["sample_size"] // config["patch_size"]) ** 2, hidden=hidden,
         in_channels=config["in_channels"], out_channels=out_channels, patch_size=config["patch_size"],
         head_dim=config["attention_head_dim"], mlp_hidden=int(hidden * config.get("mlp_ratio", 4.0)),
-        heads=heads, shared=shared, trained_top_k=top_k,
-        current_top_k=top_k if model is None or shared is None else list(model.top_k_per_layer),
+        head_layout=head_layout,
+        current_top_k=None if not head_layout.is_moh else list(head_layout.top_k if model is None else model.top_k_per_layer),
     )
 
 
 def _top_k_at(config_or_model: Mapping[str, Any] | Any, layout: _Layout, ratio: float | None) -> list[int] | None:
     """Per-layer top-K at head activation ``ratio`` (None: the model's current setting, or a
     config's trained one); None for a dense DiT."""
-    if layout.shared is None:
+    if not layout.head_layout.is_moh:
         if ratio is not None and abs(ratio - 1.0) > 1e-9:
             raise ValueError(f"a dense DiT always runs at head activation ratio 1.0, not {ratio}.")
         return None
@@ -113,18 +112,18 @@ def _top_k_at(config_or_model: Mapping[str, Any] | Any, layout: _Layout, ratio: 
         return layout.current_top_k
     if not isinstance(config_or_model, Mapping):
         return preview_head_activation(config_or_model, ratio)[1]  # the model's own allocation rule
-    # The model's own allocation rule, from the layout alone (the model uses the same function).
-    return top_k_for_ratio(layout.heads, layout.shared, layout.trained_top_k, float(ratio))
+    # The model's own allocation rule, from the layout alone (the model uses the same method).
+    return layout.head_layout.top_k_for_ratio(float(ratio))
 
 
 def _active_heads(layout: _Layout, top_k: Sequence[int] | None) -> list[int]:
-    if layout.shared is None:
-        return list(layout.heads)
+    if not layout.head_layout.is_moh:
+        return list(layout.head_layout.heads)
     if top_k is None:
         top_k = layout.current_top_k
-    if len(top_k) != len(layout.heads):
-        raise ValueError(f"top_k has {len(top_k)} entries for a {len(layout.heads)}-layer model.")
-    return [s + k for s, k in zip(layout.shared, top_k)]
+    if len(top_k) != layout.num_layers:
+        raise ValueError(f"top_k has {len(top_k)} entries for a {layout.num_layers}-layer model.")
+    return [s + k for s, k in zip(layout.head_layout.shared, top_k)]
 
 
 def model_attention_flops(
@@ -138,7 +137,7 @@ def model_attention_flops(
     """
     layout = _layout(config_or_model)
     sparse = dense = 0
-    for heads, active in zip(layout.heads, _active_heads(layout, top_k)):
+    for heads, active in zip(layout.head_layout.heads, _active_heads(layout, top_k)):
         inner = heads * layout.head_dim
         sparse += attention_flops(layout.tokens, layout.hidden, inner, Fraction(active, heads))
         dense += attention_flops(layout.tokens, layout.hidden, inner)
@@ -161,7 +160,7 @@ def forward_flop_terms(
     """The FLOPs of one forward pass of ``batch`` images, by part (docs/flops.md).
 
     ``ratio``: the head-weighted activation ratio, resolved to per-layer top-K by the model's
-    rule (``head_layout.top_k_for_ratio``, which ``set_head_activation_ratio`` uses; a model
+    rule (``HeadLayout.top_k_for_ratio``, which ``set_head_activation_ratio`` uses; a model
     is left as it was), for a model or a config dict alike; None: the model's
     current setting, or a config dict's trained layout. Each layer's attention is counted at
     its head-sparse ideal (:func:`attention_flops` at its active fraction ``(hs + K) / h``).
@@ -173,14 +172,14 @@ def forward_flop_terms(
     layout = _layout(config_or_model)
     n, d = layout.tokens, layout.hidden
     sparse, _ = model_attention_flops(config_or_model, _top_k_at(config_or_model, layout, ratio))
-    shared = layout.shared or [None] * len(layout.heads)
+    shared = layout.head_layout.shared or [None] * layout.num_layers
     per_image = {
         "patch_embedding": 2 * n * layout.in_channels * layout.patch_size**2 * d,  # a p x p, stride p conv
         "timestep_embedding": 2 * (TIMESTEP_FEATURES * d + d * d),  # once per image; the label is a lookup
-        "adaln_modulation": 2 * d * 6 * d * len(layout.heads) + 2 * d * 2 * d,  # from the (D,) conditioning
+        "adaln_modulation": 2 * d * 6 * d * layout.num_layers + 2 * d * 2 * d,  # from the (D,) conditioning
         "attention": sparse,
-        "routers": sum(2 * n * d * _router_rows(h, s) for h, s in zip(layout.heads, shared)),
-        "mlp": 2 * 2 * n * d * layout.mlp_hidden * len(layout.heads),
+        "routers": sum(2 * n * d * _router_rows(h, s) for h, s in zip(layout.head_layout.heads, shared)),
+        "mlp": 2 * 2 * n * d * layout.mlp_hidden * layout.num_layers,
         "final_layer": 2 * n * d * layout.patch_size**2 * layout.out_channels,
     }
     return {part: batch * flops for part, flops in per_image.items()}

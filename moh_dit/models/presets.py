@@ -14,6 +14,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Sequence
 
+from .layout import HeadLayout
+
 __all__ = ["PRESETS", "UPCYCLED_PRESETS", "get_preset", "head_activation_ratio_of_config", "resolve_layer_layout"]
 
 
@@ -97,7 +99,7 @@ PRESETS.update(
             top_k=[1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0],
         ),
         # Tiny presets for tests and the CPU demo: 32x32 RGB in pixel space, patch 4 (64
-        # tokens: a training step of batch 32 takes ~0.2 s on 2 CPU cores). The MoH layout
+        # tokens, small enough to train on a laptop CPU). The MoH layout
         # covers every gate case of the release: all-shared (K=0), a single shared head
         # (hs=1, where the release crashes), no shared head (hs=0) and ordinary layers.
         # Head-weighted activation (4+3+3+3+3+2)/24 = 0.75.
@@ -140,59 +142,21 @@ def get_preset(name: str, **overrides: Any) -> dict[str, Any]:
     return config
 
 
-def _per_layer(value: int | Sequence[int] | None, num_layers: int, name: str) -> list[int] | None:
-    if value is None:
-        return None
-    if isinstance(value, int):
-        return [value] * num_layers
-    value = [int(v) for v in value]
-    if len(value) != num_layers:
-        raise ValueError(f"{name} has {len(value)} entries but num_layers={num_layers}; give one per layer or an int.")
-    return value
-
-
 def resolve_layer_layout(
     num_layers: int,
     num_attention_heads: int | Sequence[int],
     num_shared_heads: int | Sequence[int] | None,
     top_k: int | Sequence[int] | None,
 ) -> tuple[list[int], list[int] | None, list[int] | None]:
-    """Expand per-layer head settings to lists and validate them.
-
-    Returns ``(heads, shared, top_k)``; ``shared`` and ``top_k`` are None for a dense DiT.
-    """
-    heads = _per_layer(num_attention_heads, num_layers, "num_attention_heads")
-    shared = _per_layer(num_shared_heads, num_layers, "num_shared_heads")
-    k = _per_layer(top_k, num_layers, "top_k")
-    if (shared is None) != (k is None):
-        raise ValueError(
-            "num_shared_heads and top_k must be given together (MoH) or both be None (dense DiT); "
-            f"got num_shared_heads={num_shared_heads!r}, top_k={top_k!r}."
-        )
-    if shared is None:
-        return heads, None, None
-    for i, (h, hs, kk) in enumerate(zip(heads, shared, k)):
-        routed = h - hs
-        if not 0 <= hs <= h:
-            raise ValueError(f"Layer {i}: num_shared_heads={hs} must be in [0, num_attention_heads={h}].")
-        if not 0 <= kk <= routed:
-            raise ValueError(f"Layer {i}: top_k={kk} must be in [0, routed heads={routed}] (h={h}, shared={hs}).")
-        if routed > 0 and kk == 0:
-            raise ValueError(
-                f"Layer {i}: {routed} routed heads but top_k=0, so they could never be used; "
-                "set top_k >= 1 or make every head shared."
-            )
-    return heads, shared, k
+    """``(heads, shared, top_k)`` per layer as lists (``shared`` and ``top_k`` None for a dense
+    DiT), validated by :meth:`HeadLayout.parse <moh_dit.models.layout.HeadLayout.parse>`."""
+    layout = HeadLayout.parse(num_layers, num_attention_heads, num_shared_heads, top_k)
+    return list(layout.heads), *(None if v is None else list(v) for v in (layout.shared, layout.top_k))
 
 
 def head_activation_ratio_of_config(config: dict[str, Any]) -> float:
     """Head-weighted activation ``sum (hs + K) / sum h`` of a model config (1.0 for dense DiT)."""
-    heads, shared, k = resolve_layer_layout(
-        config["num_layers"], config["num_attention_heads"], config.get("num_shared_heads"), config.get("top_k")
-    )
-    if shared is None:
-        return 1.0
-    return sum(s + kk for s, kk in zip(shared, k)) / sum(heads)
+    return HeadLayout.of_config(config).activation_ratio()
 
 
 # --------------------------------------------------------------------------------------

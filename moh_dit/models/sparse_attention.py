@@ -1,10 +1,9 @@
 """Head-sparse MoH attention for inference: unselected routed heads cost nothing.
 
-The dense-masked computation (``dense_masked_attention``, what ``MoHAttnProcessor`` runs)
-computes every head for every token and multiplies unselected routed heads by a zero gate,
-as the authors' release does, so MoH saves no compute there. ``MoHSparseAttnProcessor``
-computes the same result while doing, per routed head, only the work of the tokens that
-selected it:
+The dense-masked computation (``MoHAttnProcessor`` in ``attention.py``) computes every head for
+every token and multiplies unselected routed heads by a zero gate, as the authors' release
+does, so MoH saves no compute there. ``MoHSparseAttnProcessor`` computes the same result
+while doing, per routed head, only the work of the tokens that selected it:
 
 - shared heads (always on) stay dense: one SDPA on their slice of the projections;
 - K and V are projected once for every head that some token of the batch uses (all keys
@@ -15,27 +14,19 @@ selected it:
 
 Per-token FLOPs (docs/design.md, section 4), with r the fraction of active (token, head)
 pairs: dense ``2 D D_in * 4 + 4 N D_in``, head-sparse ideal ``2 D D_in (2 + 2r) + 4 r N D_in``.
+The FLOPs go, but not the bytes: each selected (token, head) pair gathers a D-wide input row
+and adds back a D-wide output row, so the layer moves about as much memory as the dense one
+(docs/sparse_attention.md has the measured times).
 
-The FLOPs go, but not the bytes: each selected (token, head) pair gathers a D-wide input
-row and adds back a D-wide output row, so the layer moves about as much memory as the
-dense one. On 2 CPU cores that keeps the measured time 15-30 % above the FLOP ratio
-(``scripts/benchmark_attention.py``); CPU flash attention is also ~15 % less efficient per
-query at 512 queries than at 1024. On an H200 every strategy was slower than dense (launches,
-the host sync, the gathers and bf16 ``index_add_`` dominate there), so automatic mode only
-uses this path on the CPU.
-
-This module only computes. Whether a layer skips heads at all (training or not, autocast,
-routed density, automatic mode's size and device conditions) is decided in one place,
-``MoHAttention.uses_sparse_processor`` in ``transformer_moh_dit.py``, which imports from
-here; nothing here imports the model. Reading order: the routing result, the dense-masked
-computation, the weights and the selection plan the strategies share, the three strategies
-(``per_head_attention``, ``batched_attention``, ``packed_attention``), the processor, the
-block helpers, the loop reference.
+This module only computes. Whether a layer skips heads at all is decided in one place,
+``fast_paths.choose_path``; nothing here imports the attention module or the model. Reading
+order: the density rule, the weights and the selection plan the strategies share, the three
+strategies (``per_head_attention``, ``batched_attention``, ``packed_attention``), the
+processor, the block helpers.
 
 Only portable torch operations are used (index_select, addmm / baddbmm,
 scaled_dot_product_attention, nested tensors, index_add_), so the same code runs on CPU and
-CUDA. ``sparse_attention_reference`` is a plain loop over images, heads and tokens, kept for
-tests.
+CUDA.
 """
 
 from __future__ import annotations
@@ -43,7 +34,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +42,8 @@ import torch.nn.functional as F
 from .flops import attention_flops
 
 __all__ = [
-    "MoHRouting",
-    "dense_masked_attention",
-    "attend",
+    "STRATEGIES",
+    "Routing",
     "skips_at_density",
     "Projections",
     "SelectionPlan",
@@ -61,79 +51,29 @@ __all__ = [
     "batched_attention",
     "packed_attention",
     "MoHSparseAttnProcessor",
-    "sparse_attention_reference",
-    "ideal_flop_ratio",
 ]
 
 STRATEGIES = ("per_head", "batched", "packed")
 # Size of one block of rows in the per-head strategy; the block buffer is reused, so no
-# large buffer is allocated per call. Measured on 2 CPU cores: with 1 thread 2 MiB blocks
-# (cache-resident) made the layer ~4 % faster than whole-head buffers, with 2 threads the
-# block size made no measurable difference, and when other processes share the cores every
-# extra call can wait for a busy core, so blocks are large.
+# large buffer is allocated per call. Large rather than cache-sized: when other processes
+# share the cores every extra call can wait for a busy core (docs/sparse_attention.md).
 DEFAULT_BLOCK_BYTES = 8 << 20
 # The packed strategy passes min / max sequence lengths to its nested tensors (so that SDPA
 # needs no host sync to find them); older torch versions do not take them.
 _JAGGED_TAKES_SEQLEN = "max_seqlen" in inspect.signature(torch.nested.nested_tensor_from_jagged).parameters
 
 
-def ideal_flop_ratio(tokens: int, hidden: int, inner: int, ratio: float) -> float:
-    """Head-sparse / dense FLOPs of one attention layer when a fraction ``ratio`` of the
-    (token, head) pairs is active: Q and output projections and the attention core scale
-    with ``ratio``, K and V projections do not (:func:`moh_dit.models.flops.attention_flops`;
-    docs/design.md, section 4)."""
-    return attention_flops(tokens, hidden, inner, ratio) / attention_flops(tokens, hidden, inner)
+class Routing(Protocol):
+    """What the strategies read of a layer's ``MoHRouting`` (``attention.py``)."""
 
-
-# --------------------------------------------------------------------------------------
-# Routing result and the dense-masked computation
-# --------------------------------------------------------------------------------------
-
-
-@dataclass
-class MoHRouting:
-    """What a MoH router decided for one layer and one batch.
-
-    ``gates`` is the dense per-head gate (zeros for routed heads a token did not select);
-    ``routed_index`` / ``routed_gates`` hold the same routed decision in top-K form, which
-    the head-sparse strategies use to skip work.
-    """
-
-    gates: torch.Tensor  # (B, N, h) float32
+    gates: torch.Tensor  # (B, N, h) float32, zero for routed heads a token did not select
     routed_index: torch.Tensor | None  # (B, N, K) long, indices into the routed heads
     routed_gates: torch.Tensor | None  # (B, N, K) float32
-    load_balance_loss: torch.Tensor | None  # scalar, only for layers with routed heads
-    head_usage: torch.Tensor | None  # (h,) fraction of tokens that used each head
 
 
-def attend(attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: MoHRouting | None,
-            batch: int, tokens: int) -> torch.Tensor:
-    """SDPA over every head of (B, N, h d) projections, the gates, the output projection."""
-    heads, head_dim = attn.heads, attn.inner_dim // attn.heads
-    q = q.view(batch, tokens, heads, head_dim).transpose(1, 2)  # (B, h, N, d)
-    k = k.view(batch, tokens, heads, head_dim).transpose(1, 2)  # (B, h, N, d)
-    v = v.view(batch, tokens, heads, head_dim).transpose(1, 2)  # (B, h, N, d)
-    out = F.scaled_dot_product_attention(q, k, v)  # (B, h, N, d)
-    out = out.transpose(1, 2)  # (B, N, h, d)
-    if routing is not None:
-        out = out * routing.gates.unsqueeze(-1).to(out.dtype)  # (B, N, h, d)
-    out = out.reshape(batch, tokens, heads * head_dim)  # (B, N, h*d)
-    out = attn.to_out[0](out)  # (B, N, D)
-    return attn.to_out[1](out)
-
-
-def dense_masked_attention(attn: Any, hidden_states: torch.Tensor, routing: MoHRouting | None = None) -> torch.Tensor:
-    """Every head computed (SDPA), then each head's output multiplied by its gate before the
-    output projection (zero for unselected routed heads): the release's computation and
-    the training path (routers get gradients through the gates). ``routing=None`` is plain
-    multi-head attention.
-
-    ``attn`` is a diffusers ``Attention`` (its ``to_q`` / ``to_k`` / ``to_v`` / ``to_out``
-    modules are called, so wrapped projections such as LoRA layers take part).
-    """
-    batch, tokens, _ = hidden_states.shape
-    q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)  # (B, N, h d) each
-    return attend(attn, q, k, v, routing, batch, tokens)
+# --------------------------------------------------------------------------------------
+# The density rule, and what the strategies share: the weights and the selection plan
+# --------------------------------------------------------------------------------------
 
 
 def skips_at_density(top_k: int, routed: int, dense_above: float) -> bool:
@@ -141,11 +81,6 @@ def skips_at_density(top_k: int, routed: int, dense_above: float) -> bool:
     some unselected (``top_k < routed``) and at most ``dense_above`` of them are selected;
     above that, gathering and scattering the selected tokens costs more than it saves."""
     return bool(routed) and top_k < routed and top_k <= dense_above * routed
-
-
-# --------------------------------------------------------------------------------------
-# What the strategies share: the weights and the selection plan
-# --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -207,7 +142,7 @@ class SelectionPlan:
         return self.batch * self.tokens
 
     @classmethod
-    def of(cls, routing: MoHRouting, gates: torch.Tensor, shared: int) -> "SelectionPlan":
+    def of(cls, routing: Routing, gates: torch.Tensor, shared: int) -> "SelectionPlan":
         """Plan from the top-K decision; ``gates`` is ``routing.gates`` in the compute dtype."""
         batch, tokens, routed = gates.shape[0], gates.shape[1], gates.shape[2] - shared
         device = gates.device
@@ -286,7 +221,7 @@ def _routed_core(w: Projections, plan: SelectionPlan, q: torch.Tensor, key: torc
 # --------------------------------------------------------------------------------------
 
 
-def _plan_and_shared_heads(w: Projections, hidden_states: torch.Tensor, routing: MoHRouting):
+def _plan_and_shared_heads(w: Projections, hidden_states: torch.Tensor, routing: Routing):
     """What the per-head and batched strategies start with: the input as rows (B*N, D), the
     selection plan, K and V of every used head, and the output rows holding the shared
     heads' part (plus to_out's bias and the sink row)."""
@@ -299,7 +234,7 @@ def _plan_and_shared_heads(w: Projections, hidden_states: torch.Tensor, routing:
 
 
 def per_head_attention(
-    w: Projections, hidden_states: torch.Tensor, routing: MoHRouting, block_bytes: int = DEFAULT_BLOCK_BYTES
+    w: Projections, hidden_states: torch.Tensor, routing: Routing, block_bytes: int = DEFAULT_BLOCK_BYTES
 ) -> torch.Tensor:
     """The Q and output projections loop over the live routed heads; each head's selected
     tokens of all images are packed without padding, gathered, projected and added back
@@ -331,7 +266,7 @@ def per_head_attention(
     return out[: plan.rows].view(batch, tokens, dim)
 
 
-def batched_attention(w: Projections, hidden_states: torch.Tensor, routing: MoHRouting) -> torch.Tensor:
+def batched_attention(w: Projections, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
     """The Q and output projections of all live routed heads are single padded bmm calls
     (few kernel launches); padded slots read token 0 and write to a sink row. On CUDA its
     ``index_add_`` of the heads' output rows uses atomics, so results may differ in the last
@@ -353,7 +288,7 @@ def batched_attention(w: Projections, hidden_states: torch.Tensor, routing: MoHR
     return out[: plan.rows].view(batch, tokens, dim)
 
 
-def packed_attention(w: Projections, hidden_states: torch.Tensor, routing: MoHRouting) -> torch.Tensor:
+def packed_attention(w: Projections, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
     """No host sync, no Python loop over heads, static shapes except inside the attention
     core; so it does not use the ``SelectionPlan`` (whose live heads and group sizes are
     read on the host).
@@ -445,13 +380,14 @@ class MoHSparseAttnProcessor:
 
     Meant for inference. Its gradients equal the dense-masked ones too (unselected heads
     have a zero gate either way; tested), but training keeps the dense-masked path. It only
-    computes: ``MoHAttention`` calls it when ``uses_sparse_processor`` says the layer skips
+    computes: ``MoHAttention`` calls it when ``fast_paths.choose_path`` says the layer skips
     heads (eval mode, no autocast, routed density at most ``dense_above``, and in automatic
     mode the size and device conditions). Called directly it computes head-sparse whatever
     the density. Where there is nothing to skip (a dense layer, no routed heads, or a top-K
-    that holds every routed head) it computes dense-masked. It refuses an autocast region:
-    the projections would come out in another dtype than the buffers its in-place kernels
-    write to (cast the model instead, or call the layer, which computes dense-masked there).
+    that holds every routed head) it runs the layer's default, dense-masked processor. It
+    refuses an autocast region: the projections would come out in another dtype than the
+    buffers its in-place kernels write to (cast the model instead, or call the layer, which
+    computes dense-masked there).
 
     Args:
         strategy: how the routed heads are processed: ``"per_head"``
@@ -460,14 +396,13 @@ class MoHSparseAttnProcessor:
             routed heads as one SDPA call on (head, image) groups padded to the largest
             group (padding costs only SDPA work there), and read the group sizes on the
             host (one sync). ``packed`` has no host sync and no loop over heads;
-            projections stay dense and only the attention core skips. On an H200 (torch
-            2.11) its GPU time was about dense's but nested-tensor dispatch cost ~7 ms of
-            CPU time per call. ``None`` (default): ``"per_head"`` on CPU, ``"batched"``
-            elsewhere.
+            projections stay dense and only the attention core skips, at the price of
+            nested-tensor dispatch on the host. ``None`` (default): ``"per_head"`` on CPU,
+            ``"batched"`` elsewhere.
         dense_above: routed density ``K / (h - hs)`` above which ``MoHAttention`` runs the
-            layer dense-masked instead (``skips_at_density``). On 2 CPU cores skipping
-            stopped paying between 0.75 and 0.875 (XL width, 1024 tokens: 12 of 16 heads
-            0.98x dense, 14 of 16 1.07x); 1.0 always skips.
+            layer dense-masked instead (``skips_at_density``): near full density gathering
+            and scattering the selected tokens costs more than the skipped heads save.
+            1.0 always skips.
         block_bytes: size of the reused row blocks of the ``per_head`` strategy (default
             ``DEFAULT_BLOCK_BYTES``, 8 MiB).
     """
@@ -486,20 +421,23 @@ class MoHSparseAttnProcessor:
     def skips_heads(self, attn: Any) -> bool:
         """Whether ``attn``'s routed density lets it skip heads with this processor's
         ``dense_above`` (``skips_at_density``). Only the density part of the decision:
-        ``MoHAttention.uses_sparse_processor`` makes the whole one."""
+        ``fast_paths.choose_path`` makes the whole one."""
         return skips_at_density(attn.top_k, attn.num_routed_heads, self.dense_above)
 
     @staticmethod
     def default_strategy(device: torch.device) -> str:
         """The strategy used when none is given: ``"per_head"`` on CPU, ``"batched"`` elsewhere
-        (on an H200 it was the fastest of the three, though still slower than dense-masked)."""
+        (on a GPU the padded bmm calls need the fewest kernel launches)."""
         return "per_head" if device.type == "cpu" else "batched"
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor, routing: MoHRouting | None = None):
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
+        if routing is None:
+            routing = attn.route(hidden_states)
         # Nothing to skip: a dense layer, a layer without routed heads, or a top-K that
         # holds every routed head.
         if routing is None or routing.routed_index is None or routing.routed_index.shape[-1] >= attn.num_routed_heads:
-            return dense_masked_attention(attn, hidden_states, routing)
+            return attn._default_processor_cls()(attn, hidden_states, routing)
+        attn.routing = routing  # where the block reads the statistics, as after the default processor
         device = hidden_states.device
         if torch.is_autocast_enabled(device.type):
             raise ValueError(
@@ -570,40 +508,7 @@ def _linear_into(dst: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias:
         torch.addmm(bias, a, weight.t(), out=dst)
 
 
-@torch.no_grad()
-def sparse_attention_reference(attn: Any, hidden_states: torch.Tensor, routing: MoHRouting | None):
-    """Readable head-sparse MoH attention: loops over images, heads and the tokens that use
-    each head, reading the routed decision in top-K form (``routing.routed_index`` /
-    ``routing.routed_gates``). float64 inside; slow; for tests only."""
-    batch, tokens, dim = hidden_states.shape
-    heads, d = attn.heads, attn.inner_dim // attn.heads
-    shared = attn.num_shared_heads if routing is not None else heads
-    out = torch.zeros(batch, tokens, dim, dtype=torch.float64)
-    w_q, w_k, w_v = (lin.weight.double().view(heads, d, dim) for lin in (attn.to_q, attn.to_k, attn.to_v))
-    b_q, b_k, b_v = (
-        lin.bias.double().view(heads, d) if lin.bias is not None else torch.zeros(heads, d, dtype=torch.float64)
-        for lin in (attn.to_q, attn.to_k, attn.to_v)
-    )
-    w_o = attn.to_out[0].weight.double().view(dim, heads, d)
-    for b in range(batch):
-        x = hidden_states[b].double()  # (N, D)
-        users: list[dict[int, float]] = [{} for _ in range(heads)]  # head -> {token: gate}
-        for t in range(tokens):
-            for i in range(shared):
-                users[i][t] = 1.0 if routing is None else float(routing.gates[b, t, i])
-            if routing is not None and routing.routed_index is not None:
-                for j, g in zip(routing.routed_index[b, t].tolist(), routing.routed_gates[b, t].tolist()):
-                    users[shared + j][t] = g
-        for i in range(heads):
-            if not users[i]:
-                continue
-            chosen = torch.tensor(list(users[i]))
-            gate = torch.tensor(list(users[i].values()), dtype=torch.float64)
-            q = x[chosen] @ w_q[i].T + b_q[i]  # (n, d)
-            k = x @ w_k[i].T + b_k[i]  # (N, d)
-            v = x @ w_v[i].T + b_v[i]  # (N, d)
-            a = torch.softmax(q @ k.T / d**0.5, dim=-1) @ v  # (n, d)
-            out[b, chosen] += (gate[:, None] * a) @ w_o[:, i].T  # (n, D)
-    if attn.to_out[0].bias is not None:
-        out += attn.to_out[0].bias.double()
-    return out.to(hidden_states.dtype)
+def ideal_flop_ratio(tokens: int, hidden: int, inner: int, ratio: float) -> float:
+    """Head-sparse / dense FLOPs of one attention layer at active fraction ``ratio``. Only
+    for callers of this old import path: use :func:`moh_dit.models.flops.attention_flops`."""
+    return attention_flops(tokens, hidden, inner, ratio) / attention_flops(tokens, hidden, inner)

@@ -1,17 +1,12 @@
 """MoH-DiT: a class-conditional Diffusion Transformer with Mixture-of-Head attention.
 
-Reading order: the head-sparse policy, attention processor, ``MoHAttention``,
-``MoHDiTBlock``, ``MoHDiTTransformer2DModel``. The routing result (``MoHRouting``) and the
-attention computations (dense-masked and head-sparse) live in ``sparse_attention.py``, the
-gate arithmetic and the fused QKV + router GEMM in ``moh_routing.py``, the top-K-for-ratio
-rule in ``head_layout.py``; this module imports from them, they never import it back, and
-``MoHRouting``, ``min_top_k`` and ``top_k_for_ratio`` are re-exported here. Shared pieces come from diffusers: ``Attention`` (projections
-and the processor mechanism), ``PatchEmbed``, ``AdaLayerNormZero``, ``FeedForward``,
-``Timesteps`` / ``TimestepEmbedding`` / ``LabelEmbedding``.
-
-Gate math follows the authors' MoH-DiT release (docs/design.md, section 1), which differs
-from the paper's Eq. 5-6 by constant factors; ``gate_mode="paper"`` gives the equations as
-printed. Heads ``0..hs-1`` of each layer are shared (always on), heads ``hs..h-1`` routed.
+Reading order: ``MoHDiTBlock``, ``MoHDiTTransformer2DModel``. The attention itself (routing,
+gates, the dense-masked computation, ``MoHAttention``) is in ``attention.py``, the per-layer
+head layout in ``layout.py``; ``MoHAttention``, ``MoHAttnProcessor``, ``MoHRouting``,
+``SparseInferencePolicy``, ``min_top_k`` and ``top_k_for_ratio`` are re-exported here. Shared
+pieces come from diffusers: ``PatchEmbed``, ``AdaLayerNormZero``, ``FeedForward``,
+``Timesteps`` / ``TimestepEmbedding`` / ``LabelEmbedding``, and ``AttentionMixin``
+(``attn_processors`` / ``set_attn_processor``).
 """
 
 from __future__ import annotations
@@ -22,19 +17,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
-from diffusers.models.attention import FeedForward
-from diffusers.models.attention_processor import Attention
+from diffusers.models.attention import AttentionMixin, FeedForward
 from diffusers.models.embeddings import CombinedTimestepLabelEmbeddings, PatchEmbed, Timesteps
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.normalization import AdaLayerNormZero
 from diffusers.utils import BaseOutput
 from torch import nn
 
-from .presets import get_preset, resolve_layer_layout
+from .attention import MoHAttention, MoHAttnProcessor, MoHRouting
+from .fast_paths import SparseInferencePolicy
+from .layout import HeadLayout, min_top_k, top_k_for_ratio
+from .presets import get_preset
 from .sparse_attention import STRATEGIES as SPARSE_STRATEGIES
-from .head_layout import min_top_k, top_k_for_ratio
-from .moh_routing import ROUTERS, fusable, fused_dense_masked_attention, route_from_logits
-from .sparse_attention import MoHRouting, MoHSparseAttnProcessor, dense_masked_attention, skips_at_density
 
 __all__ = [
     "MoHRouting",
@@ -47,179 +41,6 @@ __all__ = [
     "MoHDiTTransformer2DModelOutput",
     "top_k_for_ratio",
 ]
-
-GATE_MODES = ("release", "paper")
-
-
-# --------------------------------------------------------------------------------------
-# Attention
-# --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SparseInferencePolicy:
-    """When automatic mode (``sparse_inference=None``) takes the head-sparse path: only
-    where skipping heads pays for gathering the selected tokens.
-
-    Args:
-        max_active: largest fraction ``(hs + K) / h`` of a layer's heads that may be active.
-        min_work: smallest ``tokens * inner_dim`` of a call. Below these two, gathering the
-            selected tokens costs more than the skipped heads save
-            (``benchmarks/benchmark_attention.py``: on 2 CPU cores a DiT-B layer at 256 tokens
-            took 0.88x dense time with half its heads active, 1.03x with three quarters).
-        devices: device types the input may be on. On an H200 (torch 2.11, bf16) every
-            head-sparse strategy was slower than dense-masked at every measured size: the
-            GEMMs there are so fast that launches, host syncs and gathers dominate.
-    """
-
-    max_active: float = 0.5
-    min_work: int = 256 * 768
-    devices: tuple[str, ...] = ("cpu",)
-
-    def __post_init__(self):
-        if not 0.0 <= self.max_active <= 1.0:
-            raise ValueError(f"max_active={self.max_active} must be in [0, 1].")
-        if self.min_work < 0:
-            raise ValueError(f"min_work={self.min_work} must be >= 0.")
-        if isinstance(self.devices, str) or not all(isinstance(d, str) for d in self.devices):
-            raise ValueError(f"devices={self.devices!r} must be a tuple of device types such as ('cpu',).")
-        object.__setattr__(self, "devices", tuple(self.devices))
-
-
-class MoHAttnProcessor:
-    """Dense-masked MoH attention (``sparse_attention.dense_masked_attention``): every head
-    is computed (SDPA), then each head's output is multiplied by its gate before the output
-    projection (zero for unselected routed heads).
-
-    This is the release's computation and the training path (routers get gradients through
-    the gates). A dense layer (``routing is None``) is plain multi-head attention.
-    """
-
-    def __call__(self, attn: MoHAttention, hidden_states: torch.Tensor, routing: MoHRouting | None = None):
-        return dense_masked_attention(attn, hidden_states, routing)
-
-
-class MoHAttention(Attention):
-    """diffusers ``Attention`` with Mixture-of-Head routers.
-
-    Router parameters live on this module, so they are saved with the model:
-
-    =================  ===========  ================  ===================================
-    attribute          release      shape             exists when
-    =================  ===========  ================  ===================================
-    ``router_routed``  ``wg``       (h - hs, D)       there are routed heads (h > hs)
-    ``router_mix``     ``wg_0``     (2, D)            routed heads and hs > 0
-    ``router_shared``  ``wg_1``     (hs, D)           hs > 1
-    =================  ===========  ================  ===================================
-
-    With ``num_shared_heads=None`` the layer is a plain dense attention (DiT baseline).
-    ``inner_dim = heads * dim_head`` may differ from ``query_dim``.
-
-    Head-sparse inference: ``sparse_inference`` chooses between ``processor`` (dense-masked,
-    the training path) and ``sparse_processor`` (``MoHSparseAttnProcessor``, which skips
-    the routed heads a token did not select; same result to float rounding): ``None``
-    (default) = automatic, in eval mode with autograd off, on the CPU, for layers sparse
-    and large enough for skipping to pay (``sparse_policy``); ``True`` = whenever in eval
-    mode; ``False`` = never. ``uses_sparse_processor`` decides, per call, with every
-    condition. Assign a configured ``MoHSparseAttnProcessor`` to ``sparse_processor`` to
-    change how it skips (strategy, ``dense_above``).
-    """
-
-    def __init__(
-        self,
-        query_dim: int,
-        heads: int,
-        dim_head: int,
-        num_shared_heads: int | None = None,
-        top_k: int | None = None,
-        gate_mode: str = "release",
-        bias: bool = True,
-        processor: Any | None = None,
-    ):
-        super().__init__(
-            query_dim=query_dim, heads=heads, dim_head=dim_head, bias=bias, out_bias=True,
-            processor=processor if processor is not None else MoHAttnProcessor(),
-        )
-        if gate_mode not in GATE_MODES:
-            raise ValueError(f"gate_mode={gate_mode!r}; choose one of {GATE_MODES}.")
-        self.gate_mode = gate_mode
-        self.is_moh = num_shared_heads is not None
-        self.num_shared_heads = num_shared_heads if self.is_moh else heads
-        self.num_routed_heads = heads - self.num_shared_heads
-        self.trained_top_k = top_k if self.is_moh else 0
-        self.top_k = self.trained_top_k
-        self.router_routed = nn.Linear(query_dim, self.num_routed_heads, bias=False) if self.num_routed_heads else None
-        self.router_mix = (
-            nn.Linear(query_dim, 2, bias=False) if self.num_routed_heads and self.num_shared_heads > 0 else None
-        )
-        self.router_shared = nn.Linear(query_dim, self.num_shared_heads, bias=False) if self.is_moh and self.num_shared_heads > 1 else None
-        self.sparse_processor = MoHSparseAttnProcessor()
-        self.sparse_inference: bool | None = None
-        self.sparse_policy = SparseInferencePolicy()
-        # Dense-masked path: QKV and routers as one GEMM (same weights, same keys). None: fused on
-        # CUDA, where one launch instead of four is what pays; elsewhere the separate linears,
-        # which keep CPU results (the demo's documented numbers) bit-identical. True/False force it.
-        self.fused_projections: bool | None = None
-
-    def route(self, x: torch.Tensor, need_stats: bool = False) -> MoHRouting | None:
-        """Gates of every head for every token of ``x`` (B, N, D); None for a dense layer.
-
-        Release gates (docs/design.md, section 1): routed ``K * p_j / sum_topK p`` with
-        ``p = softmax(W_r x)``; shared ``hs * softmax(W_s x)``; with both kinds, shared gates
-        times ``a_0`` and routed times ``a_1`` where ``a = 2 * softmax(W_h x)``. A single
-        shared head gets a constant gate of 1 (the release crashes there). ``paper`` mode
-        drops the K, hs and 2 factors and the top-K renormalisation (paper Eq. 5-6).
-        Router softmaxes run in float32 whatever the compute dtype (``moh_routing.route_from_logits``).
-        """
-        if not self.is_moh:
-            return None
-        logits = {name: getattr(self, name)(x) for name in ROUTERS if getattr(self, name) is not None}
-        return route_from_logits(self, x, logits, need_stats)
-
-    def uses_sparse_processor(self, tokens: int | None = None, device: torch.device | None = None) -> bool:
-        """Whether a forward call on ``tokens`` tokens on ``device`` skips heads, i.e. runs
-        ``sparse_processor`` (else ``processor``). The one place this is decided.
-
-        Never in training mode, with ``sparse_inference=False`` or without routed heads.
-        Never either when the routed density is above the sparse processor's
-        ``dense_above`` or every routed head is selected (``skips_at_density``; a processor
-        without ``dense_above`` skips at any density), or inside an autocast region on
-        ``device`` (the projections would come out in another dtype than the input, and the
-        sparse strategies' out= / in-place kernels would mix them). Then always with
-        ``sparse_inference=True``. In automatic mode also only when autograd is off, the
-        default processor is in place, the model is not being compiled, and ``sparse_policy``
-        allows it: at most ``max_active`` of the heads active, ``tokens * inner_dim`` of at
-        least ``min_work`` and the input on one of ``devices``. ``device=None`` leaves out
-        the conditions on the device (autocast and ``devices``).
-        """
-        if self.training or self.sparse_inference is False or not self.num_routed_heads:
-            return False
-        dense_above = getattr(self.sparse_processor, "dense_above", 1.0)
-        if not skips_at_density(self.top_k, self.num_routed_heads, dense_above):
-            return False
-        if device is not None and torch.is_autocast_enabled(device.type):
-            return False
-        if self.sparse_inference:
-            return True
-        policy = self.sparse_policy
-        active = (self.num_shared_heads + self.top_k) / self.heads
-        return (
-            not torch.is_grad_enabled()
-            and type(self.processor) is MoHAttnProcessor
-            and not torch.compiler.is_compiling()
-            and active <= policy.max_active
-            and (tokens or 0) * self.inner_dim >= policy.min_work
-            and (device is None or device.type in policy.devices)
-        )
-
-    def forward(self, hidden_states: torch.Tensor, need_stats: bool = False) -> tuple[torch.Tensor, MoHRouting | None]:
-        sparse = self.uses_sparse_processor(hidden_states.shape[1], hidden_states.device)
-        fused = hidden_states.is_cuda if self.fused_projections is None else self.fused_projections
-        if not sparse and fused and type(self.processor) is MoHAttnProcessor and fusable(self):
-            return fused_dense_masked_attention(self, hidden_states, need_stats)  # one GEMM: QKV and routers
-        routing = self.route(hidden_states, need_stats)
-        processor = self.sparse_processor if sparse else self.processor
-        return processor(self, hidden_states, routing=routing), routing
 
 
 # --------------------------------------------------------------------------------------
@@ -251,12 +72,15 @@ class MoHDiTBlock(nn.Module):
         self.ff = FeedForward(dim, mult=mlp_ratio, activation_fn="gelu-approximate")
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor, need_stats: bool = False):
+        """(B, N, D) -> (B, N, D), and with ``need_stats`` the attention's load-balance loss
+        (scalar, None without routed heads) and head usage ((h,), None for a dense layer)."""
         norm_x, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(x, emb=emb)  # (B, N, D), 4 x (B, D)
-        attn_out, routing = self.attn1(norm_x, need_stats)  # (B, N, D)
+        attn_out = self.attn1(norm_x)  # (B, N, D)
+        routing, self.attn1.routing = self.attn1.routing, None  # read and cleared: no tensors kept
         x = x + gate_msa.unsqueeze(1) * attn_out  # (B, N, D)
         norm_x = self.norm2(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]  # (B, N, D)
         x = x + gate_mlp.unsqueeze(1) * self.ff(norm_x)  # (B, N, D)
-        if routing is None:
+        if routing is None or not need_stats:
             return x, None, None
         return x, routing.load_balance_loss, routing.head_usage
 
@@ -298,7 +122,7 @@ class MoHDiTTransformer2DModelOutput(BaseOutput):
     head_usage: list[torch.Tensor] | None = None
 
 
-class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
+class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin, AttentionMixin):
     """Class-conditional DiT with Mixture-of-Head attention (or dense attention).
 
     Args:
@@ -359,8 +183,8 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
             raise ValueError(f"sample_size={sample_size} is not divisible by patch_size={patch_size}.")
         if class_names is not None and len(class_names) != num_classes:
             raise ValueError(f"class_names has {len(class_names)} entries but num_classes={num_classes}.")
-        heads, shared, k = resolve_layer_layout(num_layers, num_attention_heads, num_shared_heads, top_k)
-        self.layer_heads, self.layer_shared, self.trained_top_k = heads, shared, k
+        self.layout = HeadLayout.parse(num_layers, num_attention_heads, num_shared_heads, top_k)
+        heads, shared, k = self.layout.heads, self.layout.shared, self.layout.top_k
         self.out_channels = out_channels if out_channels is not None else in_channels * (2 if learn_sigma else 1)
         self.gradient_checkpointing = False
 
@@ -417,8 +241,22 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
 
     # ---------------------------------------------------------------- head activation
     @property
+    def layer_heads(self) -> list[int]:
+        return list(self.layout.heads)
+
+    @property
+    def layer_shared(self) -> list[int] | None:
+        """Shared heads per layer; None for a dense DiT."""
+        return None if self.layout.shared is None else list(self.layout.shared)
+
+    @property
+    def trained_top_k(self) -> list[int] | None:
+        """The routed top-K per layer the model was built with; None for a dense DiT."""
+        return None if self.layout.top_k is None else list(self.layout.top_k)
+
+    @property
     def is_moh(self) -> bool:
-        return self.layer_shared is not None
+        return self.layout.is_moh
 
     @property
     def top_k_per_layer(self) -> list[int]:
@@ -428,23 +266,16 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
     @property
     def head_activation_ratio(self) -> float:
         """Current head-weighted activation ``sum (hs + K) / sum h`` (1.0 for a dense model)."""
-        if not self.is_moh:
-            return 1.0
-        return sum(s + k for s, k in zip(self.layer_shared, self.top_k_per_layer)) / sum(self.layer_heads)
+        return self.layout.activation_ratio(self.top_k_per_layer)
 
     @property
     def trained_head_activation_ratio(self) -> float:
-        if not self.is_moh:
-            return 1.0
-        return sum(s + k for s, k in zip(self.layer_shared, self.trained_top_k)) / sum(self.layer_heads)
+        return self.layout.activation_ratio()
 
     @property
     def head_activation_range(self) -> tuple[float, float]:
         """(lowest, highest) head-weighted ratio that ``set_head_activation_ratio`` accepts."""
-        if not self.is_moh:
-            return 1.0, 1.0
-        lowest = sum(s + min_top_k(h, s) for h, s in zip(self.layer_heads, self.layer_shared))
-        return lowest / sum(self.layer_heads), 1.0
+        return self.layout.reachable_range()
 
     def set_head_activation_ratio(
         self, ratio: float | None, overrides: dict[int, int] | None = None
@@ -466,12 +297,12 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
         if ratio is None:
             new_k = list(self.trained_top_k)
         else:
-            new_k = top_k_for_ratio(self.layer_heads, self.layer_shared, self.trained_top_k, float(ratio))
+            new_k = self.layout.top_k_for_ratio(float(ratio))
         for layer, k in (overrides or {}).items():
             if not 0 <= layer < len(new_k):
                 raise ValueError(f"Layer index {layer} is out of range for a {len(new_k)}-layer model.")
-            routed = self.layer_heads[layer] - self.layer_shared[layer]
-            k_min = min_top_k(self.layer_heads[layer], self.layer_shared[layer])
+            heads, shared = self.layout.heads[layer], self.layout.shared[layer]
+            routed, k_min = heads - shared, min_top_k(heads, shared)
             if not k_min <= k <= routed:
                 raise ValueError(f"Layer {layer}: top_k={k} must be in [{k_min}, {routed}] for this layer.")
             new_k[layer] = int(k)
@@ -488,12 +319,12 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
         heads are skipped; same output as the dense-masked path to float rounding, and
         same gradients), ``False`` forces the dense-masked path, ``None`` (default) picks
         head-sparse automatically when autograd is off, the model is not being compiled, the
-        input is on the CPU (on a GPU dense-masked was faster everywhere measured) and a
-        layer is sparse and large enough for skipping to pay (at most half its heads active,
-        tokens x inner width >= 256 x 768; smaller work is faster dense-masked).
+        input is on the CPU (on a GPU dense-masked is faster) and a layer is sparse and large
+        enough for skipping to pay (at most half its heads active, tokens x inner width >=
+        256 x 768; smaller work is faster dense-masked).
         Either way a layer whose tokens select more than the sparse processor's
         ``dense_above`` of its routed heads, and any call inside an autocast region, runs
-        dense-masked (``MoHAttention.uses_sparse_processor`` decides, per layer and call).
+        dense-masked (``fast_paths.choose_path`` decides, per layer and call).
         Training mode always uses the dense-masked path. A dense DiT ignores the setting.
 
         ``strategy`` (optional) sets how the head-sparse path works on every layer:
@@ -582,9 +413,7 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin):
 
         # PatchEmbed returns a transposed view (the D axis has stride T). Without the copy the
         # residual stream keeps that layout through every block (x comes first in each
-        # residual add) and all its elementwise ops run strided: on an H200 (bf16, batch 32,
-        # CUDA graph) the copy took a DiT-XL/2 forward from 25.9 to 19.9 ms (diffusers'
-        # DiT-XL/2: 21.1 ms in both runs). No measurable effect on CPU.
+        # residual add) and all its elementwise ops run strided; one copy here is far cheaper.
         x = self.pos_embed(hidden_states).contiguous()  # (B, T, D), T = size * size
         c = self.time_class_embed(timestep, class_labels, hidden_dtype=x.dtype)  # (B, D)
         lb_losses, usage = [], []
