@@ -251,6 +251,26 @@ def test_batch_not_divisible_by_processes(tmp_path, data):
         config(tmp_path, data, global_batch_size=10).validate(num_processes=4)
 
 
+def test_options_are_checked_once_per_run(tmp_path, data, monkeypatch):
+    real_validate, calls = TrainConfig.validate, []
+    monkeypatch.setattr(TrainConfig, "validate", lambda self, *a, **k: (calls.append(a or k), real_validate(self, *a, **k)))
+    train(config(tmp_path, data, max_steps=1, checkpoint_every=1))
+    assert len(calls) == 1
+
+
+def test_script_flags_default_to_train_config(load_script):
+    """No flag but the required ones gives TrainConfig's own defaults; every flag sets its field."""
+    script = load_script("train")
+    required = ["--preset", "DiT-Tiny", "--data-dir", "d", "--output-dir", "o"]
+    assert script.config_from_args(script.parse_args(required)) == TrainConfig("DiT-Tiny", "o", data_dir="d")
+    cfg = script.config_from_args(script.parse_args(required + [
+        "--no-tf32", "--no-flip", "--checkpoints-total-limit", "0", "--max-grad-norm", "1.5", "--seed", "3",
+        "--compile", "--compile-mode", "default", "--on-corrupt", "skip", "--image-size", "32"]))
+    assert (cfg.allow_tf32, cfg.random_flip, cfg.checkpoints_total_limit, cfg.max_grad_norm, cfg.seed) == \
+        (False, False, None, 1.5, 3)
+    assert (cfg.compile, cfg.compile_mode, cfg.on_corrupt, cfg.image_size) == (True, "default", "skip", 32)
+
+
 def test_empty_data_folder_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="empty"):

@@ -119,7 +119,8 @@ class TrainConfig:
 
     def validate(self, num_processes: int | None = None) -> None:
         """Every check that needs no data or model, so bad input fails before any work and
-        before anything is written. The batch-size check runs when ``num_processes`` is known."""
+        before anything is written. The batch-size check runs when ``num_processes`` is known
+        (or later, through :meth:`check_batch_split`)."""
         if self.preset not in PRESETS:
             raise ValueError(f"Unknown preset {self.preset!r}. Known presets: {', '.join(PRESETS)}.")
         if (self.data_dir is None) == (self.latents_dir is None):
@@ -149,11 +150,8 @@ class TrainConfig:
         limit = self.checkpoints_total_limit
         _check(limit is None or (isinstance(limit, int) and limit >= 0), "--checkpoints-total-limit", limit,
                "0 (keep every checkpoint) or more")
-        if num_processes is not None and self.global_batch_size % num_processes:
-            raise ValueError(
-                f"--global-batch-size {self.global_batch_size} is not divisible by the number of processes "
-                f"({num_processes}); use a multiple of {num_processes}."
-            )
+        if num_processes is not None:
+            self.check_batch_split(num_processes)
         _check(_finite(self.learning_rate) and self.learning_rate > 0, "--learning-rate", self.learning_rate,
                "a finite number above 0")
         _check(_finite(self.weight_decay) and self.weight_decay >= 0, "--weight-decay", self.weight_decay,
@@ -181,6 +179,15 @@ class TrainConfig:
             raise ValueError(f"--resume {self.resume!r} is neither 'latest' nor an existing checkpoint folder.")
         self._validate_init()
         self._validate_compile()
+
+    def check_batch_split(self, num_processes: int) -> None:
+        """The global batch splits evenly over ``num_processes`` (``train`` checks this once
+        the launch's Accelerator exists, after :meth:`validate`)."""
+        if self.global_batch_size % num_processes:
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} is not divisible by the number of processes "
+                f"({num_processes}); use a multiple of {num_processes}."
+            )
 
     def _validate_compile(self) -> None:
         """--compile, --compile-per-block and --compile-mode."""

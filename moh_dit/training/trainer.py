@@ -114,18 +114,19 @@ def train(cfg: TrainConfig) -> Path:
 
 
 def _start_accelerator(cfg: TrainConfig):
-    """The Accelerator of this launch, once ``cfg`` passed its checks (with the launch's
-    process count, read before the Accelerator exists so that bad options are reported as
-    such) and the launch is one this trainer's checkpoints support (plain data-parallel)."""
-    from accelerate import Accelerator, PartialState
+    """The Accelerator of this launch, once ``cfg`` passed its checks, its batch splits over
+    the launch's processes, and the launch is one this trainer's checkpoints support (plain
+    data-parallel)."""
+    from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
-    cfg.validate(PartialState().num_processes)
+    cfg.validate()  # before the Accelerator, which would otherwise report bad options in its own terms
     accelerator = Accelerator(
         mixed_precision=cfg.mixed_precision,
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs")),
     )
+    cfg.check_batch_split(accelerator.num_processes)
     kind = str(accelerator.distributed_type).upper()
     if any(name in kind for name in ("DEEPSPEED", "FSDP", "MEGATRON")):
         raise ValueError(f"accelerate's {accelerator.distributed_type} is not supported by this trainer's checkpoints; "
