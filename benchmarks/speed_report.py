@@ -33,7 +33,7 @@ from moh_dit.utils.cli import run_cli
 from moh_dit.diffusion.gaussian_diffusion import create_diffusion
 from moh_dit.utils.io import atomic_write, write_json_atomic
 from moh_dit.utils.speed import compile_model, peak_flops, training_flops_per_image
-from moh_dit.training.loop import update_ema
+from moh_dit.training import update_ema
 
 from common import interleaved_medians, pick_device, randomize_weights_, sync
 

@@ -1,11 +1,6 @@
 """Test-only references for MoH attention: a loop over images, heads and tokens, and the
-head-sparse / dense FLOP ratio. Not a test file (no ``test_`` prefix); pytest runs in
-importlib mode (tests/ is not a package), so the tests load it by path:
-
-    spec = importlib.util.spec_from_file_location("reference_attention", Path(__file__).with_name("reference_attention.py"))
-    reference = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(reference)
-"""
+head-sparse / dense FLOP ratio. Not a test file (no ``test_`` prefix); tests/ is on
+pytest's ``pythonpath`` (pyproject.toml), so tests ``import reference_attention``."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import torch
 
 from moh_dit import MoHDiTTransformer2DModel
 from moh_dit.utils.cli import run_cli
-from moh_dit.models.sparse_attention import ideal_flop_ratio
+from reference_attention import ideal_flop_ratio
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

@@ -154,26 +154,26 @@ def test_training_steps_make_no_host_sync(tmp_path, monkeypatch):
     import numpy as np
     from PIL import Image
 
-    import moh_dit.training.loop as training_loop
+    import moh_dit.training.trainer as trainer
     from moh_dit.training import TrainConfig, train
 
     for c, name in enumerate(("a", "b")):
         (tmp_path / "data" / name).mkdir(parents=True)
         for i in range(4):
             Image.fromarray(np.full((16, 16, 3), 60 * (c + 1) + i, dtype=np.uint8)).save(tmp_path / "data" / name / f"{i}.png")
-    real_step, steps = training_loop._train_step, []
+    real_step, steps = trainer._train_step, []
 
-    def checked_step(ctx, *args, **kwargs):
-        steps.append(ctx.parts.state.step)
+    def checked_step(cfg, parts, *args, **kwargs):
+        steps.append(parts.state.step)
         if len(steps) > 1:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
         try:
-            return real_step(ctx, *args, **kwargs)
+            return real_step(cfg, parts, *args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(training_loop, "_train_step", checked_step)
+    monkeypatch.setattr(trainer, "_train_step", checked_step)
     train(TrainConfig(preset="MoH-DiT-Tiny", output_dir=str(tmp_path / "run"), data_dir=str(tmp_path / "data"), vae="none",
                       image_size=16, max_steps=4, global_batch_size=4, checkpoint_every=4, num_workers=0,
                       report_to="none", log_every=4, mixed_precision="bf16"))

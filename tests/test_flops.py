@@ -15,10 +15,7 @@ from moh_dit import MoHDiTTransformer2DModel, PRESETS, get_preset
 from moh_dit.models.flops import attention_flops, forward_flop_terms, forward_flops, model_attention_flops
 from moh_dit.sampling.sweep import attention_flops as sweep_attention_flops
 
-# Test-only helpers, loaded by path (pytest's importlib mode: tests/ is not a package).
-_spec = importlib.util.spec_from_file_location("reference_attention", Path(__file__).with_name("reference_attention.py"))
-reference = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(reference)
+import reference_attention as reference  # test-only helpers (tests/ is on pytest's pythonpath)
 ideal_flop_ratio = reference.ideal_flop_ratio
 
 

@@ -17,10 +17,7 @@ from moh_dit.models.attention import MoHAttention, MoHAttnProcessor, MoHRouting
 from moh_dit.models.fast_paths import SparseInferencePolicy
 from moh_dit.models.sparse_attention import MoHSparseAttnProcessor
 
-# Test-only helpers, loaded by path (pytest's importlib mode: tests/ is not a package).
-_spec = importlib.util.spec_from_file_location("reference_attention", Path(__file__).with_name("reference_attention.py"))
-reference = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(reference)
+import reference_attention as reference  # test-only helpers (tests/ is on pytest's pythonpath)
 ideal_flop_ratio, sparse_attention_reference = reference.ideal_flop_ratio, reference.sparse_attention_reference
 
 DENSE = MoHAttnProcessor()

@@ -39,7 +39,6 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from .flops import attention_flops
 
 __all__ = [
     "STRATEGIES",
@@ -507,8 +506,3 @@ def _linear_into(dst: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias:
     else:
         torch.addmm(bias, a, weight.t(), out=dst)
 
-
-def ideal_flop_ratio(tokens: int, hidden: int, inner: int, ratio: float) -> float:
-    """Head-sparse / dense FLOPs of one attention layer at active fraction ``ratio``. Only
-    for callers of this old import path: use :func:`moh_dit.models.flops.attention_flops`."""
-    return attention_flops(tokens, hidden, inner, ratio) / attention_flops(tokens, hidden, inner)
