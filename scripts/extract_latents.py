@@ -1,87 +1,9 @@
-"""Encode an ImageFolder dataset with a VAE once into a memory-mapped latent cache.
+"""`moh-dit extract-latents` from a clone: ``python scripts/extract_latents.py --help`` (the command lives in
+``moh_dit/commands/extract_latents.py``)."""
 
-    python scripts/extract_latents.py --data-dir /data/imagenet/train \
-        --vae stabilityai/sd-vae-ft-ema --image-size 256 --output-dir /data/imagenet256-latents
-    # 512 px (the DiT-XL/2 512 models): 64 x 64 x 4 latents
-    python scripts/extract_latents.py --data-dir /data/imagenet/train \
-        --vae stabilityai/sd-vae-ft-ema --image-size 512 --output-dir /data/imagenet512-latents
-
-Stores the VAE posterior's mean and std of every image, plain and horizontally flipped,
-so training from the cache (moh_dit.data.latents.LatentDataset) sees the same distribution as
-training from images. Rerun the same command to resume an interrupted extraction.
-"""
-
-from __future__ import annotations
-
-import argparse
 import sys
-from pathlib import Path
 
-import torch
-
-from moh_dit.utils.cli import run_cli
-from moh_dit.data.latents import extract_latents
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", required=True, help="ImageFolder root: one subfolder per class")
-    parser.add_argument("--vae", required=True, help="AutoencoderKL hub id or local diffusers folder")
-    parser.add_argument("--vae-subfolder", default=None, help="subfolder holding the VAE, e.g. 'vae' in a pipeline repo")
-    parser.add_argument("--image-size", type=int, default=256, help="ADM centre-crop size (multiple of the VAE factor)")
-    parser.add_argument("--output-dir", required=True, help="cache folder to create")
-    parser.add_argument("--batch-size", type=int, default=64, help="images per encoder call (each encoded twice)")
-    parser.add_argument("--shard-size", type=int, default=8192, help="images per shard file and resume unit")
-    parser.add_argument("--num-workers", type=int, default=4, help="image decoding processes")
-    parser.add_argument("--device", default=None, help="VAE device; default cuda when available, else cpu")
-    parser.add_argument("--on-corrupt", choices=["error", "skip"], default="error", help="unreadable images: stop, or skip and list them")
-    parser.add_argument("--dtype", choices=["float32", "float16"], default="float32", help="storage dtype of mean and std")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing latent cache at --output-dir (kept until the new one is complete)")
-    return parser.parse_args(argv)
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """The numeric flags and the device, before the folder is scanned or the VAE loaded.
-
-    Folders are checked by extract_latents itself (data folder layout, --output-dir that exists
-    without --overwrite, is a file, is not a latent cache, or overlaps --data-dir), also before
-    any work.
-    """
-    for flag, value, least in (("--image-size", args.image_size, 1), ("--batch-size", args.batch_size, 1),
-                               ("--shard-size", args.shard_size, 1), ("--num-workers", args.num_workers, 0)):  # fmt: skip
-        if value < least:
-            raise ValueError(f"{flag} must be >= {least}, got {value}")
-    if args.device is not None:
-        try:
-            torch.device(args.device)
-        except (RuntimeError, TypeError, ValueError):
-            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}") from None
-    if not Path(args.data_dir).is_dir():
-        raise FileNotFoundError(f"--data-dir {args.data_dir}: no such folder")
-
-
-def main(args: argparse.Namespace) -> None:
-    check_args(args)
-    extract_latents(
-        args.data_dir,
-        args.vae,
-        args.output_dir,
-        image_size=args.image_size,
-        batch_size=args.batch_size,
-        shard_size=args.shard_size,
-        num_workers=args.num_workers,
-        device=args.device,
-        vae_subfolder=args.vae_subfolder,
-        on_corrupt=args.on_corrupt,
-        dtype=args.dtype,
-        overwrite=args.overwrite,
-    )
-
-
-def cli(argv: list[str] | None = None) -> int:
-    """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
-    return run_cli(main, parse_args, argv)
-
+from moh_dit.commands.extract_latents import cli, main, parse_args  # noqa: F401
 
 if __name__ == "__main__":
     sys.exit(cli())

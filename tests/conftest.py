@@ -97,19 +97,16 @@ def tiny_pipe():
     return tiny_pipe_
 
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"moh_dit_script_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The command behind ``scripts/<name>.py`` (``moh_dit.commands.<name>``)."""
+    return importlib.import_module(f"moh_dit.commands.{name}")
 
 
 @pytest.fixture(scope="session")
 def load_script():
-    """``load_script("sample")`` imports ``scripts/sample.py`` as a module."""
+    """``load_script("sample")`` is the module of ``scripts/sample.py`` (``moh_dit.commands.sample``)."""
     return _load_script
 
 

@@ -1,25 +1,71 @@
-"""The scripts' common entry point: expected errors become one line, not a traceback."""
+"""The commands' common parts: the argument parser every command uses, and the entry point
+that turns expected errors into one line instead of a traceback."""
 
 from __future__ import annotations
 
+import argparse
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-__all__ = ["run_cli"]
+from .logging import set_verbosity
+
+__all__ = ["ArgumentParser", "run_cli"]
 
 # Errors that mean bad input or a bad environment, which the message explains; anything
 # else is a bug and keeps its traceback.
 EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` with the spellings diffusers' and accelerate's users type.
+
+    Every ``--some-flag`` also answers to ``--some_flag`` (diffusers' example scripts spell
+    flags with underscores), and :meth:`add_alias` adds further names for a flag (e.g.
+    ``--train_data_dir`` for ``--data-dir``); neither shows in ``--help``, which lists each
+    flag once. ``-q/--quiet`` (warnings and errors only) and ``-v/--verbose`` (debug messages)
+    set the package's log level (``moh_dit.utils.logging``); the default shows progress.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._aliases: dict[str, str] = {}
+        verbosity = self.add_mutually_exclusive_group()
+        verbosity.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const="warning",
+                               help="print only warnings and errors")
+        verbosity.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const="debug",
+                               help="also print debug messages")
+
+    def add_alias(self, alias: str, flag: str) -> None:
+        """Let ``alias`` (``--name``, any spelling) stand for the existing ``flag``."""
+        if flag not in self._option_string_actions:
+            raise ValueError(f"add_alias: {flag} is not a flag of this parser.")
+        self._aliases[alias.replace("_", "-")] = flag
+
+    def _spelled(self, arg: str) -> str:
+        if not arg.startswith("--") or arg == "--":
+            return arg
+        name, eq, value = arg.partition("=")
+        if name in self._option_string_actions:
+            return arg
+        dashed = name.replace("_", "-")
+        flag = self._aliases.get(dashed) or (dashed if dashed in self._option_string_actions else None)
+        return arg if flag is None else flag + eq + value
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None):
+        args = list(sys.argv[1:] if args is None else args)
+        end = args.index("--") if "--" in args else len(args)  # after "--" everything is a value
+        return super().parse_known_args([self._spelled(a) for a in args[:end]] + args[end:], namespace)
+
+
 def run_cli(
     main: Callable[[Any], Any], parse_args: Callable[[list[str] | None], Any], argv: list[str] | None = None,
     errors: tuple[type[BaseException], ...] = EXPECTED_ERRORS,
 ) -> int:
-    """Parse ``argv`` (argparse's own usage errors exit with status 2) and run ``main``;
-    return its status if it returns an int, else 0. An expected error prints
-    ``error: <message>`` on stderr and returns 1."""
+    """Parse ``argv`` (argparse's own usage errors exit with status 2), set the log level from
+    ``--quiet`` / ``--verbose``, and run ``main``; return its status if it returns an int,
+    else 0. An expected error prints ``error: <message>`` on stderr and returns 1."""
     args = parse_args(argv)
+    set_verbosity(getattr(args, "verbosity", None) or "info")
     try:
         status = main(args)
     except errors as error:

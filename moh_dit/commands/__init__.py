@@ -1,0 +1,54 @@
+"""The ``moh-dit`` command: ``moh-dit <command> [flags]``, one subcommand per task.
+
+Each subcommand is a module here with ``parse_args(argv)``, ``main(args)`` and ``cli(argv)``;
+``python scripts/<module>.py`` runs the same code from a clone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["COMMANDS", "main"]
+
+# subcommand -> (module, what it does)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("train", "train a MoH-DiT or DiT on an image folder or a latent cache"),
+    "sample": ("sample", "sample images (PNG folder and ADM .npz) with any number of processes"),
+    "evaluate": ("evaluate", "FID, sFID, IS, precision/recall and class accuracy of samples"),
+    "sweep": ("sweep_head_ratio", "FID and class accuracy against the head activation ratio"),
+    "convert": ("convert_checkpoint", "convert the release's, DiT's or diffusers' checkpoints"),
+    "upcycle": ("upcycle", "turn a dense DiT into a MoH-DiT"),
+    "export": ("export_pipeline", "write (and push) a self-contained diffusers pipeline folder"),
+    "extract-latents": ("extract_latents", "encode an image folder into a latent cache"),
+    "train-classifier": ("train_classifier", "train the small classifier behind class accuracy"),
+    "make-demo-dataset": ("make_demo_dataset", "draw the demo's dataset of shapes"),
+    "demo": ("demo", "the whole job offline on the CPU, on data the package draws"),
+    "upcycle-demo": ("upcycle_demo", "upcycling against training from scratch, at demo scale"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: moh-dit <command> [flags]   (moh-dit <command> --help for its flags)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``moh-dit <command> [flags]``; returns the command's exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"moh-dit: unknown command {name!r}; choose one of: {', '.join(COMMANDS)}.", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"{__name__}.{COMMANDS[name][0]}")
+    sys.argv[0] = f"moh-dit {name}"  # argparse's usage line names the subcommand
+    return module.cli(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

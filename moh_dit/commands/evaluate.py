@@ -1,0 +1,155 @@
+"""Evaluate samples against a reference with ADM's metrics: FID, sFID, Inception Score, precision, recall.
+
+    python scripts/evaluate.py --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz \
+        --inception-weights weights-inception-2015-12-05-6726825d.pth --output results.json
+
+``--samples``: an ``.npz`` with ``arr_0`` uint8 (N, H, W, 3) (as DiT's sample script writes it;
+streamed, never loaded whole) or a folder of images. ``--ref``: ADM's reference batch
+(``mu``, ``sigma``, ``mu_s``, ``sigma_s``, ``arr_0``) or a folder / ``.npz`` of real images, whose
+statistics are computed once and cached. The numbers match ADM's TensorFlow evaluator when the
+published Inception weights are used; the JSON says whether they were. Samples and reference
+of different resolutions are refused unless ``--allow-resolution-mismatch`` is given (then the
+JSON records ``"allow_resolution_mismatch": true`` with both resolutions).
+
+Class consistency of class-conditional samples (``class_accuracy``, ``class_accuracy_per_class``
+in the JSON): the fraction of samples a classifier assigns to the class they were generated for::
+
+    python scripts/evaluate.py --samples samples.npz --ref REF --classifier CLF_DIR --output m.json
+    python scripts/evaluate.py --samples samples.npz --ref REF --classifier torchvision:resnet50 ...
+
+``--classifier`` is a folder from ``scripts/train_classifier.py`` or ``torchvision:NAME`` (ImageNet
+weights from the torch hub cache, a download, or ``--classifier-weights FILE``). The labels are
+``arr_1`` of the samples ``.npz`` (``scripts/sample.py`` writes it) or ``--labels L.npy``;
+``--class-index FILE`` maps labels to the classifier's classes when they differ.
+All the work is done by :func:`moh_dit.evaluation.evaluate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.evaluation.classifier import load_classifier
+from moh_dit.evaluation import ADM_SPLIT_SIZE, INCEPTION_WEIGHTS_ENV, evaluate, read_class_map, read_sample_labels
+from moh_dit.utils.io import write_json_atomic
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", required=True, help="sample .npz (arr_0, uint8 NHWC) or image folder")
+    parser.add_argument("--ref", required=True, help="ADM reference batch .npz, or image .npz/folder of real images")
+    parser.add_argument(
+        "--inception-weights",
+        default=None,
+        help=f"InceptionV3 weights file (default: ${INCEPTION_WEIGHTS_ENV}, then the torch hub cache, then a download)",
+    )
+    parser.add_argument("--output", default=None, help="write the results here as JSON (atomically)")
+    parser.add_argument("--batch-size", type=int, default=64, help="images per Inception forward pass")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--num-workers", type=int, default=4, help="image decoding workers for folders")
+    parser.add_argument(
+        "--cache-dir", default=None, help="reference statistics cache (default ~/.cache/moh_dit/reference_stats)"
+    )
+    parser.add_argument("--no-cache", action="store_true", help="neither read nor write the reference statistics cache")
+    parser.add_argument("--no-download", action="store_true", help="never try to download the Inception weights")
+    parser.add_argument(
+        "--split-size", type=int, default=ADM_SPLIT_SIZE, help="Inception Score split size (ADM: 5000; keep it to compare)"
+    )
+    parser.add_argument(
+        "--allow-resolution-mismatch",
+        action="store_true",
+        help="evaluate samples whose resolution differs from the reference's (refused by default; recorded in the JSON)",
+    )
+    parser.add_argument("--classifier", default=None,
+                        help="measure class accuracy with this classifier: a scripts/train_classifier.py folder "
+                             "or torchvision:NAME (e.g. torchvision:resnet50)")
+    parser.add_argument("--classifier-weights", default=None,
+                        help="local state-dict file for a torchvision:NAME classifier (offline)")
+    parser.add_argument("--labels", default=None, help="the samples' class labels as .npy (default: arr_1 of --samples)")
+    parser.add_argument("--class-index", default=None,
+                        help="JSON map from sample label to the classifier's class (index or name); default: same index")
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag, before the Inception network is loaded or any image is read."""
+    for flag, value, least in (("--batch-size", args.batch_size, 1), ("--num-workers", args.num_workers, 0),
+                               ("--split-size", args.split_size, 1)):  # fmt: skip
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    for flag, value in (("--samples", args.samples), ("--ref", args.ref)):
+        if not Path(value).exists():
+            raise FileNotFoundError(f"{flag} {value}: no such file or folder")
+    if args.inception_weights is not None and not Path(args.inception_weights).expanduser().is_file():
+        raise FileNotFoundError(f"--inception-weights {args.inception_weights}: no such file")
+    try:
+        torch.device(args.device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}") from None
+    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device} but CUDA is not available; use --device cpu")
+    if args.output is not None:
+        output = Path(args.output)
+        if output.is_dir():
+            raise ValueError(f"--output {args.output} is a folder; give a file name such as {output / 'results.json'}")
+        if not output.resolve().parent.is_dir():
+            raise FileNotFoundError(f"--output folder does not exist: {output.resolve().parent}")
+    if args.cache_dir is not None and not args.no_cache and Path(args.cache_dir).exists():
+        if not Path(args.cache_dir).is_dir():
+            raise ValueError(f"--cache-dir {args.cache_dir} is a file, not a folder")
+    if args.classifier is None:
+        for flag, value in (("--labels", args.labels), ("--class-index", args.class_index),
+                            ("--classifier-weights", args.classifier_weights)):
+            if value is not None:
+                raise ValueError(f"{flag} is for class accuracy, which needs --classifier CLF_DIR|torchvision:NAME")
+    if args.class_index is not None and not Path(args.class_index).is_file():
+        raise FileNotFoundError(f"--class-index {args.class_index}: no such file")
+
+
+def class_accuracy_inputs(args: argparse.Namespace) -> dict:
+    """The classifier, labels and class map, loaded before the Inception network (cheap checks first)."""
+    if args.classifier is None:
+        return {}
+    labels = read_sample_labels(args.samples, args.labels)
+    classifier = load_classifier(args.classifier, args.classifier_weights, device=args.device)
+    class_map = None if args.class_index is None else read_class_map(args.class_index, classifier.classes)
+    return dict(classifier=classifier, labels=labels, class_map=class_map)
+
+
+def main(args: argparse.Namespace) -> dict:
+    check_args(args)
+    consistency = class_accuracy_inputs(args)
+    result = evaluate(
+        args.samples,
+        args.ref,
+        inception_weights=args.inception_weights,
+        download=not args.no_download,
+        device=args.device,
+        batch_size=args.batch_size,
+        num_workers=args.num_workers,
+        cache_dir=args.cache_dir,
+        use_cache=not args.no_cache,
+        split_size=args.split_size,
+        progress=True,
+        allow_resolution_mismatch=args.allow_resolution_mismatch,
+        **consistency,
+    )
+    payload = result.to_dict()
+    print(json.dumps(payload, indent=2))
+    if args.output is not None:
+        write_json_atomic(args.output, payload)
+    return payload
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
+    return run_cli(main, parse_args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,185 @@
+"""Sample a MoH-DiT for FID: per-index seeds, balanced labels, PNGs + one ADM ``.npz``.
+
+    accelerate launch scripts/sample.py --model moh-dit-xl-2-90 --vae stabilityai/sd-vae-ft-ema \\
+        --num-samples 50000 --per-device-batch-size 32 --guidance-scale 1.5 \\
+        --num-inference-steps 250 --head-activation-ratio 0.9 --output samples/xl-90-cfg1.5
+
+Image i (class i mod num_classes, seed --seed + i) is the same for any number of devices
+and any batch size. To resume after a crash, run the same command again: finished PNGs
+are skipped. The run settings are written to OUTPUT/sample_config.json once every setting
+has been checked against the model (nothing is written for a refused command); a resumed run
+must match them, unless the folder holds no sample yet. Works with plain ``python`` on one
+device (CPU included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from accelerate import Accelerator
+
+from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.diffusion.schedulers import SCHEDULERS
+from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS
+from moh_dit.utils.speed import COMPILE_MODES, compile_model
+from moh_dit.sampling.sample import (
+    CLASS_LABEL_MODES,
+    DTYPES,
+    SampleSettings,
+    check_folder_path,
+    class_labels_for,
+    check_model_flags,
+    check_or_write_settings,
+    check_seed_flags,
+    check_settings,
+    load_pipeline,
+    preview_head_activation,
+    run_identity,
+    sample_images,
+    write_adm_npz,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a save_pretrained transformer folder or a MoHDiTPipeline folder")
+    parser.add_argument("--vae", default=None,
+                        help="AutoencoderKL path or Hub id, or 'none' for pixel-space models "
+                             "(default: the pipeline folder's own VAE; none for a transformer folder)")
+    parser.add_argument("--output", required=True, help="output folder: samples/*.png, samples.npz, sample_config.json")
+    parser.add_argument("--num-samples", type=int, default=50_000)
+    parser.add_argument("--per-device-batch-size", type=int, default=32)
+    parser.add_argument("--guidance-scale", type=float, default=1.5, help="classifier-free guidance; 1 = none")
+    parser.add_argument("--guidance-channels", choices=GUIDANCE_CHANNELS, default="dit",
+                        help="'dit': guide the first 3 eps channels like DiT's sampler, which the paper's numbers "
+                             "used (default); 'all': every eps channel, like diffusers' DiTPipeline")
+    parser.add_argument("--num-inference-steps", type=int, default=250)
+    parser.add_argument("--scheduler", choices=SCHEDULERS + ("saved",), default="ddpm",
+                        help="ddpm: the paper's learned-variance DDPM (default); ddim; dpm (DPM-Solver++); "
+                             "saved: a pipeline folder's own scheduler")
+    parser.add_argument("--clip-sample", choices=["auto", "yes", "no"], default="auto",
+                        help="clamp predicted x0 to [-1, 1]; auto: yes for pixel-space models, no for latent ones")
+    parser.add_argument("--head-activation-ratio", type=float, default=None,
+                        help="head-weighted activation ratio for sampling (default: the trained one)")
+    parser.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
+    parser.add_argument("--class-labels", choices=CLASS_LABEL_MODES, default="balanced",
+                        help="balanced: class i mod num_classes (50 per class for 50k); uniform: random per index")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="transformer dtype (the VAE stays float32)")
+    parser.add_argument("--no-npz", action="store_true", help="write only the PNGs")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the transformer before sampling (same images to float rounding; the "
+                             "first batch takes longer while it compiles)")
+    parser.add_argument("--compile-mode", choices=list(COMPILE_MODES), default=None,
+                        help="with --compile: torch.compile's mode, e.g. reduce-overhead (CUDA graphs on a GPU)")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved settings and exit")
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag that can be checked without the model, in the CLI's spelling; raises
+    ValueError / FileNotFoundError before anything is loaded or written."""
+    def at_least_one(flag: str, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}.")
+
+    at_least_one("--num-samples", args.num_samples)
+    at_least_one("--per-device-batch-size", args.per_device_batch_size)
+    at_least_one("--num-inference-steps", args.num_inference_steps)
+    check_seed_flags(args.guidance_scale, args.seed, args.num_samples)
+    ratio = args.head_activation_ratio
+    if ratio is not None and not (math.isfinite(ratio) and 0 < ratio <= 1):
+        raise ValueError(f"--head-activation-ratio must be in (0, 1], got {ratio}; leave it out for the trained one.")
+    if args.scheduler == "dpm" and args.clip_sample == "yes":
+        raise ValueError("--clip-sample yes does not apply to --scheduler dpm (DPM-Solver has no x0 clipping); "
+                         "use --clip-sample auto or no.")
+    if args.scheduler == "saved" and args.clip_sample != "auto":
+        raise ValueError("--clip-sample applies to a scheduler built here; --scheduler saved keeps the saved "
+                         "scheduler's own clipping. Leave --clip-sample out, or pick --scheduler ddpm|ddim.")
+    if args.compile_mode is not None and not args.compile:
+        raise ValueError("--compile-mode sets how --compile compiles; add --compile or drop it.")
+    check_model_flags(args.model, args.vae)
+    check_folder_path(args.output, "--output", "give a folder (it is created if missing)")
+
+
+def check_model_args(args: argparse.Namespace, pipe, settings: SampleSettings) -> None:
+    """The flags whose limits come from the model: steps within its diffusion steps, the ratio
+    within its reachable range, and the pipeline's own rules; before anything is written."""
+    train_steps = int(getattr(pipe.scheduler.config, "num_train_timesteps", 1000))
+    if args.num_inference_steps > train_steps:
+        raise ValueError(f"--num-inference-steps {args.num_inference_steps} is more than the {train_steps} diffusion "
+                         f"steps the model was trained with; use 1..{train_steps}.")
+    if args.head_activation_ratio is not None:
+        low, high = pipe.transformer.head_activation_range
+        if not low - 1e-9 <= args.head_activation_ratio <= high + 1e-9:
+            # The model's own message names its reachable range.
+            preview_head_activation(pipe.transformer, args.head_activation_ratio)
+    check_settings(pipe, settings)
+
+
+def main(args: argparse.Namespace) -> int:
+    check_args(args)
+    settings = SampleSettings(
+        num_samples=args.num_samples, guidance_scale=args.guidance_scale, guidance_channels=args.guidance_channels,
+        num_inference_steps=args.num_inference_steps, head_activation_ratio=args.head_activation_ratio,
+        seed=args.seed, class_labels=args.class_labels,
+    )
+    accelerator = Accelerator()
+    clip = {"auto": None, "yes": True, "no": False}[args.clip_sample]
+    pipe = load_pipeline(args.model, vae=args.vae, scheduler=args.scheduler, clip_sample=clip, dtype=args.dtype)
+    check_model_args(args, pipe, settings)  # everything is checked before anything is written
+    realised, top_k = preview_head_activation(pipe.transformer, args.head_activation_ratio)
+    identity = run_identity(pipe, settings, args.model)
+    run_info = {
+        "args": vars(args),
+        "num_samples": settings.num_samples,
+        "num_processes": accelerator.num_processes,
+        "per_device_batch_size": args.per_device_batch_size,
+        "realised_head_activation_ratio": realised,
+        "top_k_per_layer": top_k,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if args.dry_run:
+        if accelerator.is_main_process:
+            print(json.dumps({"identity": identity, "run": run_info}, indent=2, sort_keys=True))
+        return 0
+    if accelerator.is_main_process:
+        note = check_or_write_settings(args.output, identity, run_info)
+        if note:
+            print(f"note: {note}")
+    accelerator.wait_for_everyone()
+
+    pipe.to(accelerator.device)
+    if args.compile:
+        compile_model(pipe.transformer, mode=args.compile_mode, dynamic=None)  # None: a last, smaller batch is fine
+    start = time.perf_counter()
+    made = sample_images(
+        pipe, args.output, settings, batch_size=args.per_device_batch_size,
+        rank=accelerator.process_index, world_size=accelerator.num_processes,
+        progress=accelerator.is_local_main_process,
+    )
+    elapsed = time.perf_counter() - start
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        print(f"{made} images generated by rank 0 this run (head activation {realised:.4f}).")
+        if made:
+            print(f"Speed: {made / elapsed:.3g} images/s on rank 0 ({elapsed:.1f} s, "
+                  f"{'compiled' if args.compile else 'eager'} transformer, {args.dtype}).")
+        if not args.no_npz:
+            labels = class_labels_for(range(settings.num_samples), pipe.transformer.config.num_classes,
+                                      settings.class_labels, settings.seed)
+            path = write_adm_npz(args.output, settings.num_samples, labels=labels)
+            print(f"Wrote {path} ({settings.num_samples} images in arr_0, their class labels in arr_1).")
+    return 0
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
+    return run_cli(main, parse_args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

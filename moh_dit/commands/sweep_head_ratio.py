@@ -1,0 +1,177 @@
+"""The head-activation sweep: FID, sFID, IS, precision, recall and attention FLOPs of one model
+at several head activation ratios, with the same images (seeds, labels) at every ratio.
+
+    python scripts/sweep_head_ratio.py --model moh-dit-xl-2-90-pipeline \\
+        --ref VIRTUAL_imagenet256_labeled.npz --inception-weights weights-inception-2015-12-05-6726825d.pth \\
+        --ratios trained,1.0,0.9,0.75,0.6,min --num-samples 10000 --batch-size 64 \\
+        --num-inference-steps 250 --guidance-scale 1.5 --output sweeps/xl-90
+
+Writes OUTPUT/sweep.json (rows + settings), OUTPUT/sweep.csv and OUTPUT/fid_vs_ratio.png,
+and prints a table. ``--model``: a pipeline folder or a save_pretrained transformer folder
+(pixel space, or give --vae). ``--ref``: ADM's reference batch or a folder / .npz of real
+images (e.g. the training ImageFolder for the demo). Without the published Inception weights
+the script stops with advice; ``--random-inception-seed N`` explicitly uses a random
+Inception instead, and everything is then labelled not comparable to published numbers.
+All the work is done by :func:`moh_dit.sampling.sweep.sweep_head_activation`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import zipfile
+from pathlib import Path
+
+import torch
+
+from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.evaluation import ADM_K, INCEPTION_WEIGHTS_ENV
+from moh_dit.diffusion.schedulers import SCHEDULERS
+from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SEED_RANGE
+from moh_dit.sampling.sample import DTYPES, SampleSettings, check_model_flags, check_seed_flags, load_pipeline
+from moh_dit.sampling.sweep import (
+    ATTENTION_PATHS,
+    DEFAULT_RATIOS,
+    SweepSettings,
+    attention_flops,
+    check_device,
+    check_plans,
+    check_folder_path,
+    parse_ratios,
+    plan_ratios,
+    sweep_head_activation,
+    transformer_calls_per_image,
+    write_sweep,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a MoHDiTPipeline folder or a save_pretrained transformer folder")
+    parser.add_argument("--ref", required=True, help="ADM reference batch .npz, or an image folder / .npz of real images")
+    parser.add_argument("--ratios", default=",".join(str(r) for r in DEFAULT_RATIOS),
+                        help="comma-separated head activation ratios in (0, 1], 'trained' and 'min' (default: %(default)s)")
+    parser.add_argument("--output", default="head_ratio_sweep", help="folder for sweep.json/csv and fid_vs_ratio.png")
+    parser.add_argument("--num-samples", type=int, default=50_000, help="images per ratio")
+    parser.add_argument("--batch-size", type=int, default=32, help="images per sampling batch")
+    parser.add_argument("--eval-batch-size", type=int, default=64, help="images per Inception forward pass")
+    parser.add_argument("--num-inference-steps", type=int, default=250)
+    parser.add_argument("--guidance-scale", type=float, default=1.5, help="classifier-free guidance; 1 = none")
+    parser.add_argument("--guidance-channels", choices=GUIDANCE_CHANNELS, default="dit",
+                        help="'dit': guide the first 3 eps channels like DiT's sampler (default); 'all': every channel")
+    parser.add_argument("--seed", type=int, default=0, help="image i uses seed + i (class i mod num_classes) at every ratio")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--inception-weights", default=None,
+                         help=f"InceptionV3 weights file (default: ${INCEPTION_WEIGHTS_ENV}, the torch hub cache, a download)")
+    weights.add_argument("--random-inception-seed", type=int, default=None,
+                         help="use a random Inception with this seed (offline demos only: NOT comparable to published numbers)")
+    parser.add_argument("--no-download", action="store_true", help="never try to download the Inception weights")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--vae", default=None,
+                        help="AutoencoderKL path or Hub id, or 'none' (default: the pipeline folder's own; none for a transformer folder)")
+    parser.add_argument("--scheduler", choices=SCHEDULERS + ("saved",), default="ddpm",
+                        help="ddpm: the paper's learned-variance DDPM (default); ddim; dpm; saved: a pipeline folder's own")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="transformer dtype (the VAE stays float32)")
+    parser.add_argument("--attention", choices=list(ATTENTION_PATHS), default="auto",
+                        help="attention path for sampling (affects wall time only): auto (the model's setting; by "
+                             "default head-sparse only for large, sparse layers on the CPU), "
+                             "masked (every head computed, as the release) or sparse")
+    parser.add_argument("--save-samples", action="store_true", help="also write each ratio's PNGs under OUTPUT/ratio_X/samples/")
+    parser.add_argument("--cache-dir", default=None, help="reference statistics cache (default ~/.cache/moh_dit/reference_stats)")
+    parser.add_argument("--no-cache", action="store_true", help="neither read nor write the reference statistics cache")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved ratios, top-K and FLOPs, and exit")
+    parser.add_argument("--classifier", default=None,
+                        help="add class accuracy per ratio: a scripts/train_classifier.py folder or torchvision:NAME")
+    parser.add_argument("--classifier-weights", default=None,
+                        help="local state-dict file for a torchvision:NAME classifier (offline)")
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag that can be checked without the model, in the CLI's spelling, before anything
+    is loaded or written; the model's limits (ratio range, steps) are checked by run_sweep
+    before the first image."""
+    if args.num_samples < ADM_K + 1:
+        raise ValueError(f"--num-samples must be >= {ADM_K + 1} (precision/recall use k={ADM_K}), got {args.num_samples}.")
+    for flag, value in (("--batch-size", args.batch_size), ("--eval-batch-size", args.eval_batch_size),
+                        ("--num-inference-steps", args.num_inference_steps)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}.")
+    check_seed_flags(args.guidance_scale, args.seed, args.num_samples)
+    if args.random_inception_seed is not None and not 0 <= args.random_inception_seed <= SEED_RANGE[1]:
+        raise ValueError(f"--random-inception-seed must be in [0, {SEED_RANGE[1]}], got {args.random_inception_seed}.")
+    parse_ratios(args.ratios)
+    check_device(args.device)
+    check_model_flags(args.model, args.vae)
+    ref = Path(args.ref).expanduser()
+    if not ref.exists():
+        raise FileNotFoundError(f"--ref {args.ref} does not exist; give an ADM reference batch .npz, an image .npz "
+                                "or an image folder.")
+    if ref.is_file() and not zipfile.is_zipfile(ref):
+        raise ValueError(f"--ref {args.ref} is not an .npz file (nor a folder); give an ADM reference batch .npz, an "
+                         "image .npz or an image folder.")
+    if args.inception_weights is not None and not Path(args.inception_weights).expanduser().is_file():
+        what = "is a folder" if Path(args.inception_weights).expanduser().is_dir() else "does not exist"
+        raise FileNotFoundError(f"--inception-weights {args.inception_weights} {what}; give the weights file "
+                                "(weights-inception-2015-12-05-6726825d.pth).")
+    check_folder_path(args.output, "--output")
+    if args.cache_dir is not None and not args.no_cache:
+        check_folder_path(args.cache_dir, "--cache-dir")
+    if args.classifier_weights is not None and args.classifier is None:
+        raise ValueError("--classifier-weights needs --classifier torchvision:NAME")
+    if args.classifier is not None and not args.classifier.startswith("torchvision:"):
+        if not (Path(args.classifier).expanduser() / "classifier.json").is_file():
+            raise FileNotFoundError(f"--classifier {args.classifier} is not a classifier folder (no classifier.json); "
+                                    "make one with scripts/train_classifier.py or give torchvision:NAME")
+
+
+def sample_settings(args: argparse.Namespace) -> SampleSettings:
+    """What decides the images: the same at every ratio (class i mod num_classes, seed --seed + i)."""
+    return SampleSettings(
+        num_samples=args.num_samples, guidance_scale=args.guidance_scale, guidance_channels=args.guidance_channels,
+        num_inference_steps=args.num_inference_steps, seed=args.seed,
+    )
+
+
+def dry_run(args: argparse.Namespace) -> dict:
+    pipe = load_pipeline(args.model, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype)
+    calls = transformer_calls_per_image(args.num_inference_steps, args.guidance_scale)
+    planned = plan_ratios(pipe.transformer, parse_ratios(args.ratios))
+    check_plans(pipe, planned, sample_settings(args))
+    plans = []
+    for plan in planned:
+        sparse, dense = attention_flops(pipe.transformer, plan.top_k_per_layer)
+        plans.append(dict(ratio=plan.label, realised_ratio=plan.realised_ratio, top_k_per_layer=plan.top_k_per_layer,
+                          attention_flops_per_image=sparse * calls, attention_flop_ratio=sparse / dense))
+    report = {"args": vars(args), "transformer_calls_per_image": calls, "plans": plans}
+    print(json.dumps(report, indent=2))
+    return report
+
+
+def main(args: argparse.Namespace):
+    check_args(args)
+    if args.dry_run:
+        return dry_run(args)
+    settings = SweepSettings(
+        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, device=args.device, attention=args.attention,
+        output_dir=args.output, save_samples=args.save_samples, cache_dir=args.cache_dir, use_cache=not args.no_cache,
+        inception_weights=args.inception_weights, random_inception_seed=args.random_inception_seed,
+        download=not args.no_download, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype,
+        classifier=args.classifier, classifier_weights=args.classifier_weights,
+    )
+    result = sweep_head_activation(args.model, parse_ratios(args.ratios), args.ref, sample_settings(args), settings)
+    result.settings["args"] = vars(args)
+    paths = write_sweep(result, args.output)
+    print(result.table())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return result
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
+    return run_cli(main, parse_args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,93 @@
+"""Upcycle a dense DiT into a MoH-DiT that keeps every dense weight (docs/upcycling.md).
+
+    python scripts/upcycle.py --checkpoint DiT-XL-2-256x256.pt --preset DiT-XL/2 --output dit-xl-2-up75 \\
+        --activation 0.75 --calibration-data imagenet_latents --calibration-batches 8
+    python scripts/upcycle.py --checkpoint runs/dense/final --output up --shared-heads 4,2,2,1,2,0 --top-k 0,1,1,2,1,2
+
+--checkpoint takes a saved MoHDiTTransformer2DModel folder (a training run's final/) or
+anything scripts/convert_checkpoint.py reads for a dense preset (then --preset names it).
+Each layer's shared heads are the most important ones on the calibration data (the eps
+prediction's change when the head is removed); without --calibration-data heads 0..hs-1 are
+shared. Routers start at zero, so the first forward is the dense model with each token's
+unselected heads removed. Per layer the choice and the measured importance are printed. The
+output folder is written atomically and never replaces anything. Then continue training with
+scripts/train.py --preset <upcycled preset> --init-from OUTPUT [--router-warmup-steps N].
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.hub.upcycle import check_output, save_upcycled, upcycle
+
+
+def _layers(text: str) -> int | list[int]:
+    """``3`` (every layer) or ``4,2,2,1,2,0`` (one per layer)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or a comma-separated list of integers") from None
+    return values[0] if len(values) == 1 else values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="dense model: a saved model folder, or what convert_checkpoint.py reads")
+    p.add_argument("--output", required=True, help="new folder for the MoH model (must not exist, or be empty)")
+    p.add_argument("--preset", default=None, help="dense preset of a checkpoint that is not a saved model folder (DiT-XL/2, ...)")
+    p.add_argument("--activation", type=float, default=None, help="head activation of the upcycled preset: 0.75 or 0.9")
+    p.add_argument("--shared-heads", type=_layers, default=None, help="shared heads: one number, or one per layer")
+    p.add_argument("--top-k", type=_layers, default=None, help="routed top-K: one number, or one per layer")
+    p.add_argument("--calibration-data", default=None, help="ImageFolder or latent cache to measure head importance on")
+    p.add_argument("--calibration-batches", type=int, default=4, help="batches of calibration data (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=16, help="calibration batch size (default: %(default)s)")
+    p.add_argument("--vae", default=None, help="VAE folder or hub id to encode an ImageFolder for a latent model")
+    p.add_argument("--weights", choices=["ema", "model"], default="ema", help="which weights of a training checkpoint")
+    p.add_argument("--sample-size", type=int, default=None,
+                   help="latent size of a checkpoint (32 for 256 px, 64 for 512 px; default: read from it)")
+    p.add_argument("--num-classes", type=int, default=None, help="classes of a checkpoint (default: read from it)")
+    p.add_argument("--device", default="cpu", help="where importance is measured: cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the calibration order, timesteps and noise")
+    return p.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
+    check_output(args.output)  # before any loading or measuring
+    if args.calibration_data is None and args.vae is not None:
+        raise ValueError("--vae only encodes --calibration-data; give --calibration-data or drop --vae.")
+    if args.calibration_data is not None and not Path(args.calibration_data).is_dir():
+        raise FileNotFoundError(f"--calibration-data {args.calibration_data}: no such folder.")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}.")
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device} but CUDA is not available; use --device cpu.")
+    model, report = upcycle(
+        args.checkpoint, args.activation, shared_heads=args.shared_heads, top_k=args.top_k,
+        calibration=args.calibration_data, calibration_batches_count=args.calibration_batches,
+        batch_size=args.batch_size, preset=args.preset, weights=args.weights, sample_size=args.sample_size,
+        num_classes=args.num_classes, vae=args.vae, seed=args.seed, device=device,
+    )
+    print(report.table())
+    save_upcycled(model, report, args.output)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"Wrote the upcycled model ({params:,} parameters, head activation {model.head_activation_ratio:.4f}) "
+          f"to {args.output}")
+    return 0
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
+    return run_cli(main, parse_args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
