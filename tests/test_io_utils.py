@@ -69,3 +69,63 @@ def test_atomic_write_gives_files_the_ordinary_mode(tmp_path):
     finally:
         os.umask(old)
     assert (path.stat().st_mode & 0o777) == 0o644
+
+
+def _with_umask(mask, build):
+    import os
+
+    old = os.umask(mask)
+    try:
+        return build()
+    finally:
+        os.umask(old)
+
+
+def _publish_a_model(out):
+    """What a published model folder holds: a safetensors file (the library writes it owner-only
+    through a temporary file), a JSON file, a subfolder and an executable script."""
+    import os
+
+    from safetensors.torch import save_file
+
+    with publish_folder(out) as tmp:
+        save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text("{}")
+        (tmp / "vae").mkdir()
+        (tmp / "vae" / "weights.bin").write_bytes(b"1")
+        fd = os.open(tmp / "run.sh", os.O_CREAT | os.O_WRONLY, 0o700)
+        os.close(fd)
+    return out
+
+
+def _modes(root):
+    return {str(p.relative_to(root)): p.stat().st_mode & 0o777 for p in [root, *sorted(root.rglob("*"))]}
+
+
+def test_published_folder_has_ordinary_permissions_under_umask_022(tmp_path):
+    out = _with_umask(0o022, lambda: _publish_a_model(tmp_path / "model"))
+    assert _modes(out) == {".": 0o755, "model.safetensors": 0o644, "config.json": 0o644, "vae": 0o755,
+                           "vae/weights.bin": 0o644, "run.sh": 0o755}
+
+
+def test_published_folder_stays_private_under_umask_077(tmp_path):
+    from moh_dit.utils.io import write_bytes_atomic
+
+    out = _with_umask(0o077, lambda: _publish_a_model(tmp_path / "model"))
+    assert set(_modes(out).values()) == {0o700, 0o600}
+    assert _modes(out)["model.safetensors"] == _modes(out)["config.json"] == 0o600
+    assert _modes(out)["vae"] == _modes(out)["."] == 0o700
+    path = _with_umask(0o077, lambda: write_bytes_atomic(tmp_path / "private" / "a.bin", b"x"))
+    assert (path.stat().st_mode & 0o777, path.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+
+
+def test_current_umask_is_read_without_changing_it():
+    import os
+
+    from moh_dit.utils.io import current_umask
+
+    assert _with_umask(0o027, current_umask) == 0o027
+    assert _with_umask(0o022, current_umask) == 0o022
+    old = os.umask(0o002)
+    os.umask(old)
+    assert current_umask() == old

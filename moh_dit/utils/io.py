@@ -5,6 +5,12 @@ markers, sample PNGs, cached statistics, sweep tables) goes through these: the d
 written to a temporary file in the same folder and renamed over the target, which is
 atomic on POSIX file systems; on failure the temporary file is removed.
 
+What is written or published gets the permissions an ordinary ``open`` / ``mkdir`` would give
+under the process's umask (0644 / 0755 with umask 022, 0600 / 0700 with umask 077), not the
+owner-only modes of ``mkstemp`` / ``mkdtemp`` or of libraries that write through them: a model
+folder on a shared disk is readable by whoever the umask lets read it. Only lock files and
+scratch folders that are never published stay as they are made.
+
 Also here: SHA-256 of a file (checkpoint integrity) and an exclusive lock on a file that
 the operating system releases when the holding process dies (one training run per folder).
 """
@@ -17,19 +23,60 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-__all__ = ["FileLockedError", "atomic_write", "lock_file", "publish_folder", "read_lock_info", "sha256_file",
-           "write_bytes_atomic", "write_json_atomic", "write_lines_atomic", "write_lock_info"]
+__all__ = ["FileLockedError", "atomic_write", "current_umask", "lock_file", "publish_folder", "read_lock_info",
+           "set_ordinary_permissions", "sha256_file", "write_bytes_atomic", "write_json_atomic", "write_lines_atomic",
+           "write_lock_info"]
 
 
-def _umask() -> int:
-    mask = os.umask(0)
+def current_umask() -> int:
+    """The process's umask. Read from ``/proc/self/status`` where there is one, because the only
+    portable way, setting it and setting it back, leaves a moment in which another thread's
+    new files would get the wrong mode."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
     os.umask(mask)
     return mask
+
+
+def _ordinary_mode(directory: bool, executable: bool, umask: int) -> int:
+    """What ``mkdir`` (0777) or ``open`` (0666, or 0777 for an executable) gives under ``umask``."""
+    return (0o777 if directory or executable else 0o666) & ~umask
+
+
+def set_ordinary_permissions(root: str | os.PathLike) -> None:
+    """Give ``root`` and everything under it the modes an ordinary ``mkdir`` / ``open`` would
+    give under the current umask (a file with its owner's execute bit keeps it executable).
+
+    Files made by ``mkstemp``, ``mkdtemp`` or libraries that write through a private temporary
+    file (safetensors) are owner-only whatever the umask; this undoes that before a folder is
+    published. Symbolic links are left alone (a mode change would reach their targets).
+    """
+    umask, root = current_umask(), Path(root)
+    if root.is_symlink():
+        return
+    if not root.is_dir():
+        os.chmod(root, _ordinary_mode(False, bool(root.stat().st_mode & stat.S_IXUSR), umask))
+        return
+    os.chmod(root, _ordinary_mode(True, False, umask))
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            if path.is_symlink():
+                continue
+            mode = path.stat().st_mode
+            os.chmod(path, _ordinary_mode(stat.S_ISDIR(mode), bool(mode & stat.S_IXUSR), umask))
 
 
 @contextlib.contextmanager
@@ -40,7 +87,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp makes the file owner-only (0600); give it the mode an ordinary open() would.
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, _ordinary_mode(False, False, current_umask()))
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()
@@ -61,12 +108,17 @@ def publish_folder(path: str | os.PathLike, replace: bool = False) -> Iterator[P
     (the old one may then remain as ``.NAME.old-*`` beside it). Whether replacing is allowed
     is the caller's decision, checked before any work; without ``replace`` an existing
     ``path`` raises FileExistsError. On failure the temporary folder is removed.
+
+    The published folder and everything in it get the permissions an ordinary ``mkdir`` /
+    ``open`` gives under the umask (:func:`set_ordinary_permissions`), whoever wrote the files;
+    while it is being built the temporary folder stays owner-only, as ``mkdtemp`` makes it.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         yield tmp
+        set_ordinary_permissions(tmp)
         if path.exists() and not replace:
             raise FileExistsError(f"{path} already exists; nothing was replaced")
         old = None
