@@ -107,6 +107,26 @@ def no_weights_anywhere(tmp_path, monkeypatch) -> Path:
     return hub / "checkpoints" / ev.INCEPTION_WEIGHTS_NAME
 
 
+@pytest.fixture(autouse=True)
+def cache_outside_home(tmp_path_factory, monkeypatch) -> Path:
+    """The package's cache folder ($MOH_DIT_CACHE) in a temporary folder: no test here writes
+    reference statistics into the home folder, even one that forgets --cache-dir."""
+    root = tmp_path_factory.mktemp("moh-dit-cache")
+    monkeypatch.setenv(ev.CACHE_ENV, str(root))
+    return root
+
+
+@pytest.fixture
+def info_log():
+    """The package's log level at info (as the commands set it) for one test, then as it was."""
+    from moh_dit.utils.logging import get_verbosity, set_verbosity
+
+    before = get_verbosity()
+    set_verbosity("info")
+    yield
+    set_verbosity(before)
+
+
 class FakeResponse:
     """What ``urllib.request.urlopen`` returns, serving ``chunks`` to ``read`` and then EOF."""
 
@@ -470,6 +490,94 @@ def test_reference_statistics_cache_is_reused_and_invalidated(tmp_path):
     os.utime(paths[0], ns=(1, 1))
     third = ev.load_reference(tmp_path / "ref", extractor, batch_size=3, cache_dir=cache)
     assert not third.from_cache and not np.allclose(third.pool.mu, first.pool.mu)
+
+
+def test_reference_cache_folder_is_the_documented_one(tmp_path, monkeypatch):
+    monkeypatch.setenv(ev.CACHE_ENV, str(tmp_path / "mine"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ev.reference_cache_dir() == tmp_path / "mine" / "reference_stats"
+    monkeypatch.delenv(ev.CACHE_ENV)
+    assert ev.reference_cache_dir() == tmp_path / "xdg" / "moh-dit" / "reference_stats"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert ev.reference_cache_dir() == tmp_path / "home" / ".cache" / "moh-dit" / "reference_stats"
+    assert "MOH_DIT_CACHE" in (ROOT / "docs" / "evaluation.md").read_text()
+
+
+def test_reference_cache_is_written_where_the_variable_says_and_announced(tmp_path, cache_outside_home,
+                                                                          info_log, capsys):
+    _write_pngs(tmp_path / "ref", _smooth_images(6, 16))
+    extractor = TinyExtractor()
+    first = ev.load_reference(tmp_path / "ref", extractor)
+    written = list((cache_outside_home / "reference_stats").iterdir())
+    assert not first.from_cache and [p.suffix for p in written] == [".npz"]
+    out = capsys.readouterr().out
+    assert f"wrote the reference statistics cache {written[0]} (" in out and " kB)" in out
+    assert ev.load_reference(tmp_path / "ref", extractor).from_cache
+    assert f"read from the cache {written[0]}" in capsys.readouterr().out
+    # use_cache=False neither reads the cache nor writes one
+    calls = extractor.calls
+    assert not ev.load_reference(tmp_path / "ref", extractor, use_cache=False).from_cache
+    assert extractor.calls > calls
+    written[0].unlink()
+    ev.evaluate(_noise_images(4, 16), tmp_path / "ref", extractor=extractor, use_cache=False)
+    assert not any((cache_outside_home / "reference_stats").iterdir()) and "cache" not in capsys.readouterr().out
+
+
+def test_evaluate_script_random_inception_flag(tmp_path, evaluate_script, cache_outside_home, monkeypatch, capsys):
+    """The flag's plumbing, with a cheap stand-in for the random Inception (the real one: the slow test below)."""
+    built = []
+    monkeypatch.setattr(ev, "build_random_inception", lambda seed: built.append(seed) or TinyExtractor())
+    _write_pngs(tmp_path / "ref", _smooth_images(5, 16))
+    _write_pngs(tmp_path / "samples", _noise_images(5, 16))
+    out = tmp_path / "metrics.json"
+    argv = ["--samples", tmp_path / "samples", "--ref", tmp_path / "ref", "--random-inception-seed", "3",
+            "--device", "cpu", "--num-workers", "0", "--output", out]  # fmt: skip
+    assert evaluate_script.cli([str(a) for a in argv]) == 0
+    printed = capsys.readouterr()
+    assert built == [3] and "random InceptionV3 (seed 3)" in printed.err and "NOT comparable" in printed.err
+    payload = json.loads(out.read_text())
+    assert payload["comparable_to_published"] is False and "not comparable" in " ".join(payload["notes"])
+    cache = cache_outside_home / "reference_stats"
+    (cached,) = cache.iterdir()
+    assert f"wrote the reference statistics cache {cached}" in printed.out
+    before = cached.stat().st_mtime_ns
+    assert evaluate_script.cli([str(a) for a in argv] + ["--no-cache"]) == 0
+    assert not json.loads(out.read_text())["reference_from_cache"]
+    assert list(cache.iterdir()) == [cached] and cached.stat().st_mtime_ns == before
+
+
+def test_evaluate_script_refuses_bad_random_inception_flags(tmp_path, evaluate_inputs, refuses):
+    flags = {k: v for k, v in evaluate_inputs.items() if k != "--inception-weights"}
+    argv = [item for pair in flags.items() for item in pair]
+    refuses("evaluate", [*argv, "--random-inception-seed", "-1"], r"--random-inception-seed must be in \[0, ")
+    refuses("evaluate", [*argv, "--random-inception-seed", "0", "--inception-weights", evaluate_inputs[
+        "--inception-weights"]], "not allowed with argument", status=2)
+    with pytest.raises(ValueError, match="at most one of extractor, inception_weights, random_inception_seed"):
+        ev.evaluate(tmp_path / "samples", tmp_path / "ref", extractor=TinyExtractor(), random_inception_seed=0)
+    with pytest.raises(ValueError, match=r"random_inception_seed must be an integer in \[0, "):
+        ev.evaluate(tmp_path / "samples", tmp_path / "ref", random_inception_seed=2**64)
+
+
+@pytest.mark.slow
+def test_evaluate_script_end_to_end_with_a_random_inception(tmp_path, random_weights, evaluate_script, capsys):
+    """Offline, no weights file: the same features as the seed's weights file, marked not comparable."""
+    _write_pngs(tmp_path / "ref", _smooth_images(6, 16))
+    _save(tmp_path / "samples.npz", arr_0=_noise_images(6, 32)[:, 8:24, 8:24])
+    common = ["--samples", tmp_path / "samples.npz", "--ref", tmp_path / "ref", "--device", "cpu",
+              "--num-workers", "0", "--batch-size", "6", "--no-cache", "--no-download"]  # fmt: skip
+    out = tmp_path / "random.json"
+    assert evaluate_script.cli([str(a) for a in [*common, "--random-inception-seed", "0", "--output", out]]) == 0
+    assert "NOT comparable to published numbers" in capsys.readouterr().err
+    payload = json.loads(out.read_text())
+    assert payload["comparable_to_published"] is False and "RANDOM-kaiming-seed=0" in payload["extractor"]
+    assert "not comparable" in " ".join(payload["notes"]) and payload["num_samples"] == 6
+    for key in ("fid", "sfid", "inception_score", "precision", "recall"):
+        assert np.isfinite(payload[key])
+    assert payload["fid"] > 0
+    from_file = evaluate_script.main(evaluate_script.parse_args(
+        [str(a) for a in [*common, "--inception-weights", random_weights]]))
+    assert from_file["fid"] == pytest.approx(payload["fid"], rel=1e-9)
 
 
 def test_adm_reference_batch_uses_stored_statistics(tmp_path):

@@ -6,8 +6,12 @@
 ``--samples``: an ``.npz`` with ``arr_0`` uint8 (N, H, W, 3) (as DiT's sample script writes it;
 streamed, never loaded whole) or a folder of images. ``--ref``: ADM's reference batch
 (``mu``, ``sigma``, ``mu_s``, ``sigma_s``, ``arr_0``) or a folder / ``.npz`` of real images, whose
-statistics are computed once and cached. The numbers match ADM's TensorFlow evaluator when the
-published Inception weights are used; the JSON says whether they were. Samples and reference
+statistics are computed once and cached (in ``$MOH_DIT_CACHE/reference_stats``, else
+``$XDG_CACHE_HOME/moh-dit/reference_stats``, else ``~/.cache/moh-dit/reference_stats``; ``--cache-dir``
+elsewhere, ``--no-cache`` not at all). The numbers match ADM's TensorFlow evaluator when the
+published Inception weights are used; the JSON says whether they were. Offline, without the
+weights, ``--random-inception-seed N`` uses a randomly initialised Inception: a smoke test of the
+whole path whose numbers the JSON and the log mark as NOT comparable to published ones. Samples and reference
 of different resolutions are refused unless ``--allow-resolution-mismatch`` is given (then the
 JSON records ``"allow_resolution_mismatch": true`` with both resolutions).
 
@@ -35,25 +39,42 @@ import torch
 
 from moh_dit.utils.cli import ArgumentParser, run_cli
 from moh_dit.evaluation.classifier import load_classifier
-from moh_dit.evaluation import ADM_SPLIT_SIZE, INCEPTION_WEIGHTS_ENV, evaluate, read_class_map, read_sample_labels
+from moh_dit.evaluation import (
+    ADM_SPLIT_SIZE,
+    CACHE_ENV,
+    INCEPTION_WEIGHTS_ENV,
+    MAX_RANDOM_INCEPTION_SEED,
+    evaluate,
+    read_class_map,
+    read_sample_labels,
+)
 from moh_dit.utils.io import write_json_atomic
+from moh_dit.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", required=True, help="sample .npz (arr_0, uint8 NHWC) or image folder")
     parser.add_argument("--ref", required=True, help="ADM reference batch .npz, or image .npz/folder of real images")
-    parser.add_argument(
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument(
         "--inception-weights",
         default=None,
         help=f"InceptionV3 weights file (default: ${INCEPTION_WEIGHTS_ENV}, then the torch hub cache, then a download)",
     )
-    parser.add_argument("--output", default=None, help="write the results here as JSON (atomically)")
+    weights.add_argument("--random-inception-seed", type=int, default=None,
+                         help="use a random Inception with this seed (offline smoke tests only: NOT comparable to "
+                              "published numbers)")
+    parser.add_argument("--output", default=None, help="write the results to this file as JSON (atomically)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per Inception forward pass")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--num-workers", type=int, default=4, help="image decoding workers for folders")
     parser.add_argument(
-        "--cache-dir", default=None, help="reference statistics cache (default ~/.cache/moh_dit/reference_stats)"
+        "--cache-dir", default=None,
+        help=f"reference statistics cache folder (default: ${CACHE_ENV}/reference_stats, else "
+             "$XDG_CACHE_HOME/moh-dit/reference_stats, else ~/.cache/moh-dit/reference_stats)",
     )
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the reference statistics cache")
     parser.add_argument("--no-download", action="store_true", help="never try to download the Inception weights")
@@ -85,6 +106,9 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in (("--samples", args.samples), ("--ref", args.ref)):
         if not Path(value).exists():
             raise FileNotFoundError(f"{flag} {value}: no such file or folder")
+    seed = args.random_inception_seed
+    if seed is not None and not 0 <= seed <= MAX_RANDOM_INCEPTION_SEED:
+        raise ValueError(f"--random-inception-seed must be in [0, {MAX_RANDOM_INCEPTION_SEED}], got {seed}")
     if args.inception_weights is not None and not Path(args.inception_weights).expanduser().is_file():
         raise FileNotFoundError(f"--inception-weights {args.inception_weights}: no such file")
     try:
@@ -124,10 +148,15 @@ def class_accuracy_inputs(args: argparse.Namespace) -> dict:
 def main(args: argparse.Namespace) -> dict:
     check_args(args)
     consistency = class_accuracy_inputs(args)
+    if args.random_inception_seed is not None:
+        logger.warning(f"random InceptionV3 (seed {args.random_inception_seed}) instead of the published weights: "
+                       "an offline smoke test; its FID, sFID, IS, precision and recall are NOT comparable to "
+                       "published numbers")
     result = evaluate(
         args.samples,
         args.ref,
         inception_weights=args.inception_weights,
+        random_inception_seed=args.random_inception_seed,
         download=not args.no_download,
         device=args.device,
         batch_size=args.batch_size,
@@ -140,7 +169,7 @@ def main(args: argparse.Namespace) -> dict:
         **consistency,
     )
     payload = result.to_dict()
-    print(json.dumps(payload, indent=2))
+    logger.info(json.dumps(payload, indent=2))
     if args.output is not None:
         write_json_atomic(args.output, payload)
     return payload

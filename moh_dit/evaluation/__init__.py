@@ -22,8 +22,9 @@ Everything the ``scripts/evaluate.py`` front does is callable from here::
     >>> result = evaluate("samples.npz", "VIRTUAL_imagenet256_labeled.npz", device="cuda")
     >>> result.fid, result.sfid, result.inception_score, result.precision, result.recall
 
-A randomly initialised Inception (:func:`build_random_inception`) exists for offline demos and
-tests only; its numbers are labelled as not comparable to published ones.
+A randomly initialised Inception (:func:`build_random_inception`, ``random_inception_seed=N``
+here, ``--random-inception-seed N`` in the commands) exists for offline demos and smoke tests
+only; its numbers are labelled as not comparable to published ones.
 
 The package's modules, each with one job: :mod:`.frechet` (feature statistics, FID/sFID),
 :mod:`.metrics` (Inception Score, precision/recall), :mod:`.features` (the extractor contract
@@ -69,6 +70,7 @@ from .inception import (
     INCEPTION_WEIGHTS_SHA256_PREFIX,
     INCEPTION_WEIGHTS_URL,
     NOT_COMPARABLE,
+    MAX_RANDOM_INCEPTION_SEED,
     InceptionWeightsNotFoundError,
     TFInceptionV3Features,
     build_random_inception,
@@ -86,12 +88,14 @@ from .metrics import (
     precision_recall,
 )
 from .reference import (
+    CACHE_ENV,
     ReferenceOptions,
     ReferenceSpec,
     ReferenceStatistics,
     check_reference,
     load_reference,
     open_reference,
+    reference_cache_dir,
     reference_statistics,
 )
 from .sources import (
@@ -110,11 +114,13 @@ from .sources import (
 __all__ = [
     "ADM_K",
     "ADM_SPLIT_SIZE",
+    "CACHE_ENV",
     "ClassAccuracy",
     "ClassAccuracyMeter",
     "INCEPTION_WEIGHTS_ENV",
     "INCEPTION_WEIGHTS_NAME",
     "INCEPTION_WEIGHTS_URL",
+    "MAX_RANDOM_INCEPTION_SEED",
     "EvaluationResult",
     "ExtractedFeatures",
     "FeatureExtractor",
@@ -145,6 +151,7 @@ __all__ = [
     "random_inception_state_dict",
     "read_class_map",
     "read_sample_labels",
+    "reference_cache_dir",
     "resolve_inception_weights",
     "save_random_inception_weights",
     "tf32_disabled",
@@ -188,6 +195,7 @@ def evaluate(
     *,
     extractor: nn.Module | None = None,
     inception_weights: PathLike | None = None,
+    random_inception_seed: int | None = None,
     download: bool = True,
     device: torch.device | str = "cpu",
     batch_size: int = 64,
@@ -210,7 +218,9 @@ def evaluate(
     ``reference``: an ADM reference batch ``.npz``, an image ``.npz``/folder, or
     :class:`ReferenceStatistics` from :func:`load_reference` (reuse it across a sweep).
     ``extractor`` defaults to the TF-compatible InceptionV3 with weights from
-    :func:`resolve_inception_weights` (``inception_weights`` > env > hub cache > download).
+    :func:`resolve_inception_weights` (``inception_weights`` > env > hub cache > download);
+    ``random_inception_seed`` takes :func:`build_random_inception` with that seed instead (offline
+    smoke tests: the result says its numbers are not comparable). Give at most one of the three.
     Inputs are validated before the extractor is loaded or any image is processed, and the
     stored reference statistics (shapes against the extractor's feature widths) and the two
     resolutions before any feature is computed.
@@ -228,12 +238,15 @@ def evaluate(
     :class:`~.class_accuracy.ClassAccuracyMeter`).
     """
     _check_arguments(batch_size=batch_size, num_workers=num_workers, split_size=split_size, k=k)
+    _check_extractor_choice(extractor, inception_weights, random_inception_seed)
     minimum = max(2, k + 1)
     sample_source, opened = _open_inputs(samples, reference, minimum)
     check_resolution = functools.partial(_check_resolutions, sample_source, opened, allow_resolution_mismatch)
     check_resolution(sample_source.resolution)  # both known here unless the samples come from an iterator
     meter = _class_accuracy_meter(sample_source, classifier, labels, class_map, class_names)
-    if extractor is None:
+    if extractor is None and random_inception_seed is not None:
+        extractor = build_random_inception(random_inception_seed)
+    elif extractor is None:
         extractor = load_inception(inception_weights, download=download)
     identity = extractor_identity(extractor)
     check_reference(opened, extractor, identity)
@@ -297,6 +310,19 @@ def _check_arguments(**values: Any) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least[name]:
             raise ValueError(f"{name} must be an integer >= {least[name]}, got {value!r}")
+
+
+def _check_extractor_choice(extractor: nn.Module | None, inception_weights: PathLike | None,
+                            random_inception_seed: int | None) -> None:
+    """At most one way to the feature network, and a seed ``torch.Generator`` accepts."""
+    given = [name for name, value in (("extractor", extractor), ("inception_weights", inception_weights),
+                                      ("random_inception_seed", random_inception_seed)) if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"pass at most one of extractor, inception_weights, random_inception_seed; got {given}")
+    seed = random_inception_seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                             or not 0 <= seed <= MAX_RANDOM_INCEPTION_SEED):
+        raise ValueError(f"random_inception_seed must be an integer in [0, {MAX_RANDOM_INCEPTION_SEED}], got {seed!r}")
 
 
 def _open_inputs(

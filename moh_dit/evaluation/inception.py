@@ -31,6 +31,7 @@ __all__ = [
     "INCEPTION_WEIGHTS_NAME",
     "INCEPTION_WEIGHTS_SHA256_PREFIX",
     "INCEPTION_WEIGHTS_URL",
+    "MAX_RANDOM_INCEPTION_SEED",
     "NOT_COMPARABLE",
     "InceptionWeightsNotFoundError",
     "TFInceptionV3Features",
@@ -53,6 +54,7 @@ INCEPTION_WEIGHTS_SHA256_PREFIX = "6726825d"
 INCEPTION_WEIGHTS_ENV = "MOH_DIT_INCEPTION_WEIGHTS"
 
 NOT_COMPARABLE = "not comparable to published numbers"
+MAX_RANDOM_INCEPTION_SEED = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
 
 
 class InceptionWeightsNotFoundError(FileNotFoundError):

@@ -7,6 +7,10 @@ is one way in, taken by :func:`load_reference` and by :func:`moh_dit.evaluation.
 alike: :func:`open_reference` (cheap: reads and checks the file, no feature network),
 :func:`check_reference` (against the extractor's feature widths and identity, before any
 image is read) and :func:`reference_statistics` (computes them, or loads them from the cache).
+
+The cache lives in one folder, :func:`reference_cache_dir`: ``reference_stats`` under
+``$MOH_DIT_CACHE`` when that is set, else under ``$XDG_CACHE_HOME/moh-dit``, else under
+``~/.cache/moh-dit``. Each file written there is logged with its path and size.
 """
 
 from __future__ import annotations
@@ -26,20 +30,26 @@ import torch
 from torch import nn
 
 from ..utils.io import atomic_write
+from ..utils.logging import get_logger
 from .features import extract_features, extractor_identity
 from .frechet import FeatureStatistics, compute_statistics
 from .sources import FolderImageSource, ImageSource, NpzImageSource, PathLike, zip_member_names
 
 __all__ = [
+    "CACHE_ENV",
     "ReferenceOptions",
     "ReferenceSpec",
     "ReferenceStatistics",
     "check_reference",
     "load_reference",
     "open_reference",
+    "reference_cache_dir",
     "reference_statistics",
 ]
 
+logger = get_logger(__name__)
+
+CACHE_ENV = "MOH_DIT_CACHE"  # the package's cache folder; reference statistics go in its reference_stats/
 _CACHE_FORMAT_VERSION = 1
 
 
@@ -114,7 +124,8 @@ def load_reference(
     An ADM reference batch supplies its stored ``mu``/``sigma``/``mu_s``/``sigma_s`` (statistics
     of the whole training set, as ADM uses them) and its ``arr_0`` images for precision/recall.
     For image references all statistics are computed with ``extractor``. Computed parts are
-    cached in ``cache_dir`` (default ``$XDG_CACHE_HOME/moh_dit/reference_stats``), keyed on the
+    cached in ``cache_dir`` (default :func:`reference_cache_dir`; ``use_cache=False``: neither
+    read nor written), keyed on the
     path, size and mtime of the input (every file's, for folders) and the extractor identity;
     cache files are written atomically. :class:`ReferenceStatistics` passed in are checked
     against ``extractor`` and returned as they are.
@@ -169,17 +180,17 @@ def reference_statistics(
     spec = opened
     cached = cache_file = key = None
     if options.use_cache and spec.images is not None:
-        cache_dir = Path(options.cache_dir) if options.cache_dir is not None else _default_cache_dir()
+        cache_dir = Path(options.cache_dir).expanduser() if options.cache_dir is not None else reference_cache_dir()
         cache_file, key = _cache_path(cache_dir, spec, identity)
         cached = _load_cache(cache_file, key, spec.images.num_images, extractor)
     arrays: dict[str, np.ndarray] = {}
     if cached is not None:
+        logger.info(f"reference statistics of {spec.source} read from the cache {cache_file}")
         arrays = cached
     elif spec.images is not None:
         arrays = _arrays_from_images(spec, extractor, options)
         if cache_file is not None:
-            with atomic_write(cache_file) as f:
-                np.savez(f, **arrays, cache_key=np.array(key))
+            _write_cache(cache_file, arrays, key)
     if spec.kind == "adm_npz":
         arrays.update(spec.stored)
     spatial_stats = None
@@ -334,9 +345,28 @@ def _check_given_reference(ref: ReferenceStatistics, extractor: nn.Module) -> No
 # ---------------------------------------------------------------------------------------------
 
 
-def _default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moh_dit" / "reference_stats"
+def reference_cache_dir() -> Path:
+    """Where reference statistics are cached unless a ``cache_dir`` is given: ``reference_stats``
+    in ``$MOH_DIT_CACHE``, else in ``$XDG_CACHE_HOME/moh-dit``, else in ``~/.cache/moh-dit``."""
+    root = os.environ.get(CACHE_ENV)
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = os.path.join(xdg or os.path.join(os.path.expanduser("~"), ".cache"), "moh-dit")
+    return Path(root).expanduser() / "reference_stats"
+
+
+def _size_text(size: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} bytes"
+
+
+def _write_cache(cache_file: Path, arrays: Mapping[str, np.ndarray], key: str) -> None:
+    with atomic_write(cache_file) as f:
+        np.savez(f, **arrays, cache_key=np.array(key))
+    logger.info(f"wrote the reference statistics cache {cache_file} ({_size_text(cache_file.stat().st_size)}); "
+                "remove it to free the space, or pass --no-cache (use_cache=False) not to write it")
 
 
 def _cache_path(cache_dir: Path, spec: ReferenceSpec, identity: str) -> tuple[Path, str]:
