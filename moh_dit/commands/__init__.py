@@ -1,7 +1,8 @@
 """The ``moh-dit`` command: ``moh-dit <command> [flags]``, one subcommand per task.
 
 Each subcommand is a module here with ``parse_args(argv)``, ``main(args)`` and ``cli(argv)``;
-``python scripts/<module>.py`` runs the same code from a clone.
+``python -m moh_dit.commands <command>`` and, from a clone, ``python scripts/<module>.py`` run
+the same code. This module imports no command: ``moh-dit --help`` stays instant.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-__all__ = ["COMMANDS", "main"]
+__all__ = ["COMMANDS", "command_name", "main"]
 
 # subcommand -> (module, what it does)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -26,6 +27,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "the whole job offline on the CPU, on data the package draws"),
     "upcycle-demo": ("upcycle_demo", "upcycling against training from scratch, at demo scale"),
 }
+
+
+def command_name(module: str) -> str | None:
+    """The subcommand of a command module (``moh_dit.commands.sweep_head_ratio`` -> ``sweep``)."""
+    package, _, leaf = module.rpartition(".")
+    if package != __name__:
+        return None
+    return next((name for name, (mod, _) in COMMANDS.items() if mod == leaf), None)
 
 
 def _usage() -> str:
@@ -46,9 +55,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moh-dit: unknown command {name!r}; choose one of: {', '.join(COMMANDS)}.", file=sys.stderr)
         return 2
     module = importlib.import_module(f"{__name__}.{COMMANDS[name][0]}")
-    sys.argv[0] = f"moh-dit {name}"  # argparse's usage line names the subcommand
-    return module.cli(rest)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return module.cli(rest)  # its parser names itself `moh-dit <name>` (moh_dit.utils.cli)

@@ -1,15 +1,20 @@
-"""The commands' common parts: the argument parser every command uses, and the entry point
-that turns expected errors into one line instead of a traceback."""
+"""The commands' common parts: the argument parser every command uses, the decorator that runs
+a command's ``main`` at the level of its flags, and the entry point that turns expected errors
+into one line instead of a traceback."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+from types import FrameType
 from typing import Any, Callable, Sequence
 
-from .logging import set_verbosity
+from .logging import command_level, get_logger, verbosity
 
-__all__ = ["ArgumentParser", "run_cli"]
+__all__ = ["ArgumentParser", "command", "run_cli"]
+
+logger = get_logger(__name__)
 
 # Errors that mean bad input or a bad environment, which the message explains; anything
 # else is a bug and keeps its traceback.
@@ -24,9 +29,15 @@ class ArgumentParser(argparse.ArgumentParser):
     ``--train_data_dir`` for ``--data-dir``); neither shows in ``--help``, which lists each
     flag once. ``-q/--quiet`` (warnings and errors only) and ``-v/--verbose`` (debug messages)
     set the package's log level (``moh_dit.utils.logging``); the default shows progress.
+    A parser made in a command's module is named ``moh-dit <command>`` in its usage line and
+    errors, however the command was started (``moh-dit``, ``python scripts/X.py``, ``cli(argv)``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
+        if not args and "prog" not in kwargs:
+            prog = _command_prog(sys._getframe(1))
+            if prog is not None:
+                kwargs["prog"] = prog
         super().__init__(*args, **kwargs)
         self._aliases: dict[str, str] = {}
         verbosity = self.add_mutually_exclusive_group()
@@ -57,18 +68,47 @@ class ArgumentParser(argparse.ArgumentParser):
         return super().parse_known_args([self._spelled(a) for a in args[:end]] + args[end:], namespace)
 
 
+def _command_prog(frame: FrameType | None) -> str | None:
+    """``moh-dit <command>`` when ``frame`` runs in a command's module (imported, or run with
+    ``python -m``), else None."""
+    if frame is None:
+        return None
+    module = frame.f_globals.get("__name__", "")
+    if module == "__main__":
+        spec = frame.f_globals.get("__spec__")
+        module = getattr(spec, "name", "") or ""
+    from ..commands import command_name  # only the name table: no command module is imported
+
+    name = command_name(module)
+    return None if name is None else f"moh-dit {name}"
+
+
+def command(main: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Decorate a command's ``main(args)`` so that it runs at the level its arguments ask for
+    (``--quiet``, ``--verbose``, else ``MOH_DIT_VERBOSITY``, else info): called from Python
+    with parsed arguments, it shows what the command shows, then restores the library's level."""
+
+    @functools.wraps(main)
+    def run(args: Any) -> Any:
+        with verbosity(command_level(getattr(args, "verbosity", None))):
+            return main(args)
+
+    return run
+
+
 def run_cli(
     main: Callable[[Any], Any], parse_args: Callable[[list[str] | None], Any], argv: list[str] | None = None,
     errors: tuple[type[BaseException], ...] = EXPECTED_ERRORS,
 ) -> int:
-    """Parse ``argv`` (argparse's own usage errors exit with status 2), set the log level from
-    ``--quiet`` / ``--verbose``, and run ``main``; return its status if it returns an int,
-    else 0. An expected error prints ``error: <message>`` on stderr and returns 1."""
+    """Parse ``argv`` (argparse's own usage errors exit with status 2) and run ``main`` at the
+    level of ``--quiet`` / ``--verbose`` (the level from before is restored afterwards); return
+    its status if it returns an int, else 0. An expected error is logged as ``error: <message>``
+    on stderr and returns 1."""
     args = parse_args(argv)
-    set_verbosity(getattr(args, "verbosity", None) or "info")
-    try:
-        status = main(args)
-    except errors as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    with verbosity(command_level(getattr(args, "verbosity", None))):
+        try:
+            status = main(args)
+        except errors as error:
+            logger.error("%s", error)
+            return 1
     return status if isinstance(status, int) else 0
