@@ -1,4 +1,4 @@
-"""`moh-dit convert-checkpoint` from a clone: ``python scripts/convert_checkpoint.py --help`` (the command lives in
+"""`moh-dit convert` from a clone: ``python scripts/convert_checkpoint.py --help`` (the command lives in
 ``moh_dit/commands/convert_checkpoint.py``)."""
 
 import sys

@@ -1,4 +1,4 @@
-"""`moh-dit export-pipeline` from a clone: ``python scripts/export_pipeline.py --help`` (the command lives in
+"""`moh-dit export` from a clone: ``python scripts/export_pipeline.py --help`` (the command lives in
 ``moh_dit/commands/export_pipeline.py``)."""
 
 import sys

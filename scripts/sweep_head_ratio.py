@@ -1,4 +1,4 @@
-"""`moh-dit sweep-head-ratio` from a clone: ``python scripts/sweep_head_ratio.py --help`` (the command lives in
+"""`moh-dit sweep` from a clone: ``python scripts/sweep_head_ratio.py --help`` (the command lives in
 ``moh_dit/commands/sweep_head_ratio.py``)."""
 
 import sys

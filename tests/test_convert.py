@@ -210,8 +210,9 @@ FORMATS = r"Expected a \.pt/\.pth torch checkpoint .*\.safetensors.*diffusers.*H
         (["--num-classes", "0"], r"--num-classes \(num_classes\) must be an int >= 1, got 0"),
         (["--num-classes", "-3"], r"--num-classes \(num_classes\) must be an int >= 1"),
         (["--num-classes", "5"], r"wrong shape.*y_embedder"),
-        # --output: a file, a path under a file, a non-empty folder without --overwrite.
-        (["--output", "{tmp}/file.txt"], r"Output .*file\.txt is a file; --output .*must be a folder path"),
+        # --output-dir (here by its old name, --output): a file, a path under a file, a non-empty
+        # folder without --overwrite.
+        (["--output", "{tmp}/file.txt"], r"Output .*file\.txt is a file; --output-dir .*must be a folder path"),
         (["--output", "{tmp}/file.txt", "--overwrite"], r"file\.txt is a file"),
         (["--output", "{tmp}/file.txt/model"], r"lies under .*file\.txt, which is a file"),
         (["--output", "{tmp}/full"], r"not empty; choose another or pass --overwrite"),

@@ -125,6 +125,19 @@ def test_corrupt_images(vae_dir, image_dir, tmp_path):
     assert len(ds) == 8 and [ds[i][1] for i in range(8)] == ImageFolderDataset(image_dir, SIZE).targets
 
 
+def test_the_summary_is_the_commands_and_quiet_hides_it(vae_dir, image_dir, tmp_path, load_script, capsys):
+    extract_latents(image_dir, vae_dir, tmp_path / "lib", SIZE, batch_size=8, num_workers=0, device="cpu")
+    assert capsys.readouterr().out == ""  # a Python caller sees no prints
+    script = load_script("extract_latents")
+    argv = ["--data-dir", str(image_dir), "--vae", str(vae_dir), "--image-size", str(SIZE), "--batch-size", "8",
+            "--num-workers", "0", "--device", "cpu"]
+    assert script.cli(argv + ["--output-dir", str(tmp_path / "cli")]) == 0
+    assert "cached 8 latents of shape [4, 4, 4]" in capsys.readouterr().out
+    assert script.cli(argv + ["--output-dir", str(tmp_path / "quiet"), "--quiet"]) == 0
+    assert capsys.readouterr() == ("", "")  # neither the summary nor the progress bar
+    assert (tmp_path / "quiet" / "index.json").is_file()
+
+
 def test_empty_or_wrong_inputs_fail_before_work(tmp_path, cache, image_dir, vae_dir):
     (tmp_path / "empty").mkdir()
     # The folder is checked before the (here nonexistent) VAE is loaded.

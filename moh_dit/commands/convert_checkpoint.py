@@ -1,14 +1,14 @@
 """Convert a MoH-DiT release / facebookresearch DiT / diffusers DiT checkpoint into a
 ``MoHDiTTransformer2DModel`` folder (``save_pretrained`` format).
 
-    python scripts/convert_checkpoint.py --checkpoint 7000000.pt --preset MoH-DiT-XL/2-90 --output moh-dit-xl-2-90
-    python scripts/convert_checkpoint.py --checkpoint DiT-XL-2-256x256.pt --preset DiT-XL/2 --output dit-xl-2
-    python scripts/convert_checkpoint.py --checkpoint facebook/DiT-XL-2-256 --preset DiT-XL/2 --output dit-xl-2
+    moh-dit convert --checkpoint 7000000.pt --preset MoH-DiT-XL/2-90 --output-dir moh-dit-xl-2-90
+    moh-dit convert --checkpoint DiT-XL-2-256x256.pt --preset DiT-XL/2 --output-dir dit-xl-2
+    moh-dit convert --checkpoint facebook/DiT-XL-2-256 --preset DiT-XL/2 --output-dir dit-xl-2
     # 512 px: 64 x 64 latents (read from the checkpoint; --sample-size 64 says it explicitly)
-    python scripts/convert_checkpoint.py --checkpoint DiT-XL-2-512x512.pt --preset DiT-XL/2 --sample-size 64 --output dit-xl-2-512
-    python scripts/convert_checkpoint.py --checkpoint facebook/DiT-XL-2-512 --preset DiT-XL/2 --sample-size 64 --output dit-xl-2-512
+    moh-dit convert --checkpoint DiT-XL-2-512x512.pt --preset DiT-XL/2 --sample-size 64 --output-dir dit-xl-2-512
+    moh-dit convert --checkpoint facebook/DiT-XL-2-512 --preset DiT-XL/2 --sample-size 64 --output-dir dit-xl-2-512
 
-An unreadable checkpoint, a wrong preset or a bad --output is refused with one error line
+An unreadable checkpoint, a wrong preset or a bad --output-dir is refused with one error line
 before anything is written.
 """
 
@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.hub.convert import convert_checkpoint
 from moh_dit.models.presets import PRESETS
+from moh_dit.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -29,8 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "not a local path is looked up on the Hub)")
     parser.add_argument("--preset", required=True, choices=list(PRESETS), metavar="PRESET",
                         help="model preset the weights belong to (top-K cannot be read from weights)")
-    parser.add_argument("--output", required=True,
+    parser.add_argument("--output-dir", required=True,
                         help="output folder (written atomically; a non-empty one needs --overwrite, a file is refused)")
+    parser.add_alias("--output", "--output-dir")
     parser.add_argument("--weights", choices=["ema", "model"], default="ema",
                         help="which weights of a training checkpoint to take (default: ema, used for sampling)")
     parser.add_argument("--sample-size", type=int, default=None, help="latent size (default: read from the checkpoint)")
@@ -41,13 +45,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@command
 def main(args: argparse.Namespace) -> int:
     model = convert_checkpoint(
-        args.checkpoint, args.preset, args.output, weights=args.weights, sample_size=args.sample_size,
+        args.checkpoint, args.preset, args.output_dir, weights=args.weights, sample_size=args.sample_size,
         num_classes=args.num_classes, overwrite=args.overwrite, allow_divergent_embeddings=args.allow_divergent_embeddings,
     )
     params = sum(p.numel() for p in model.parameters())
-    print(f"Wrote {args.preset} ({params:,} parameters, head activation {model.head_activation_ratio:.4f}) to {args.output}")
+    logger.info(f"Wrote {args.preset} ({params:,} parameters, head activation {model.head_activation_ratio:.4f}) "
+                f"to {args.output_dir}")
     return 0
 
 

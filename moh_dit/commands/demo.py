@@ -1,6 +1,6 @@
 """The whole job on the embedded default, offline, on a CPU:
 
-    python scripts/demo.py [--output-dir demo_output]
+    moh-dit demo [--output-dir demo_output]
 
 1. writes the demo dataset (12 classes of coloured shapes, 16x16, drawn by the package) and
    a held-out set of the same classes;
@@ -33,13 +33,16 @@ from PIL import Image, ImageDraw
 from tqdm.auto import tqdm
 
 from moh_dit.evaluation.classifier import load_classifier, train_classifier
-from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.utils.io import write_json_atomic
+from moh_dit.utils.logging import get_logger, info_enabled
 from moh_dit.data.demo_data import make_demo_dataset
 from moh_dit.evaluation import InceptionWeightsNotFoundError, resolve_inception_weights
 from moh_dit.sampling.sample import load_pipeline
 from moh_dit.sampling.sweep import run_sweep, write_sweep
 from moh_dit.training import TrainConfig, train
+
+logger = get_logger(__name__)
 
 
 def labelled_grid(pipe, per_class: int, steps: int, guidance_scale: float, seed: int, scale: int = 3) -> Image.Image:
@@ -47,7 +50,7 @@ def labelled_grid(pipe, per_class: int, steps: int, guidance_scale: float, seed:
     each enlarged ``scale`` times (nearest neighbour: the model's own pixels)."""
     names = pipe.id2label
     rows = []
-    for class_id in tqdm(sorted(names), desc="sample grid", unit="class", mininterval=1.0):
+    for class_id in tqdm(sorted(names), desc="sample grid", unit="class", mininterval=1.0, disable=not info_enabled()):
         out = pipe([class_id] * per_class, guidance_scale=guidance_scale, num_inference_steps=steps,
                    seeds=list(range(seed, seed + per_class)), output_type="np")
         rows.append((names[class_id], (out.images * 255).round().astype(np.uint8)))
@@ -66,7 +69,7 @@ def labelled_grid(pipe, per_class: int, steps: int, guidance_scale: float, seed:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output-dir", default="demo_output")
+    p.add_argument("--output-dir", default="demo_output", help="the demo's folder (default: %(default)s)")
     p.add_argument("--preset", default="MoH-DiT-Tiny/2")
     p.add_argument("--image-size", type=int, default=16, help="pixels; the preset's patch size must divide it")
     p.add_argument("--images-per-class", type=int, default=300)
@@ -126,6 +129,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise FileExistsError(f"--output-dir {args.output_dir} is a file; choose a folder")
 
 
+@command
 def main(args: argparse.Namespace) -> int:
     check_args(args)
     start = time.perf_counter()
@@ -137,16 +141,16 @@ def main(args: argparse.Namespace) -> int:
         make_demo_dataset(data, images_per_class=args.images_per_class, image_size=size, seed=args.seed)
     if not reference.is_dir():
         make_demo_dataset(reference, images_per_class=args.reference_per_class, image_size=size, seed=args.seed + 1)
-    print(f"[1/5] demo dataset: {data} (held-out reference: {reference})")
+    logger.info(f"[1/5] demo dataset: {data} (held-out reference: {reference})")
 
     classifier_dir = out / "classifier"
     if not classifier_dir.is_dir():
-        print("[2/5] classifier of the real images (for the class accuracy of the samples)")
-        train_classifier(data, classifier_dir, image_size=size, seed=args.seed)
+        logger.info("[2/5] classifier of the real images (for the class accuracy of the samples)")
+        train_classifier(data, classifier_dir, image_size=size, seed=args.seed, log=logger.info)
     classifier = load_classifier(classifier_dir)
-    print(f"[2/5] classifier: {100 * classifier.held_out_accuracy:.1f}% on held-out real images ({classifier_dir})")
+    logger.info(f"[2/5] classifier: {100 * classifier.held_out_accuracy:.1f}% on held-out real images ({classifier_dir})")
 
-    print(f"[3/5] training {args.preset} for {args.max_steps} steps (pixel space, {size}x{size}, batch {args.batch_size})")
+    logger.info(f"[3/5] training {args.preset} for {args.max_steps} steps (pixel space, {size}x{size}, batch {args.batch_size})")
     final = train(TrainConfig(
         preset=args.preset, output_dir=str(out / "run"), data_dir=str(data), vae="none", image_size=size,
         max_steps=args.max_steps, global_batch_size=args.batch_size, learning_rate=args.learning_rate,
@@ -159,34 +163,34 @@ def main(args: argparse.Namespace) -> int:
     grid = labelled_grid(pipe, per_class=8, steps=args.sample_steps, guidance_scale=args.grid_guidance, seed=args.seed,
                          scale=max(1, 96 // size))
     grid.save(out / "samples_grid.png")
-    print(f"[4/5] labelled sample grid: {out / 'samples_grid.png'}")
+    logger.info(f"[4/5] labelled sample grid: {out / 'samples_grid.png'}")
 
     try:
         weights = resolve_inception_weights(args.inception_weights, download=False)
         inception = dict(inception_weights=weights)
     except InceptionWeightsNotFoundError:
-        print("      Inception weights not found: using a randomly initialised InceptionV3 "
-              "(numbers NOT comparable to published FIDs).")
+        logger.info("      Inception weights not found: using a randomly initialised InceptionV3 "
+                    "(numbers NOT comparable to published FIDs).")
         inception = dict(random_inception_seed=0)
-    print(f"[5/5] head-activation sweep: {args.sweep_samples} images per ratio, {args.sample_steps} DDPM steps, "
-          f"guidance {args.sweep_guidance}")
+    logger.info(f"[5/5] head-activation sweep: {args.sweep_samples} images per ratio, {args.sample_steps} DDPM steps, "
+                f"guidance {args.sweep_guidance}")
     result = run_sweep(pipe, args.ratios, reference=reference, num_samples=args.sweep_samples, batch_size=60,
                        num_inference_steps=args.sample_steps, guidance_scale=args.sweep_guidance, seed=args.seed,
-                       cache_dir=out / "cache", progress=True, log=None, classifier=classifier, **inception)
+                       cache_dir=out / "cache", progress=info_enabled(), log=None, classifier=classifier, **inception)
     files = write_sweep(result, out / "sweep")
-    print(result.table())
+    logger.info(result.table())
     trained = next((row for row in result.rows if "trained" in row.requested), None)
     if trained is not None:
-        print(f"class accuracy of the samples at the trained ratio: {100 * trained.class_accuracy:.1f}% "
-              f"(the classifier scores {100 * classifier.held_out_accuracy:.1f}% on real images; chance "
-              f"{100 / len(pipe.id2label):.1f}%)")
+        logger.info(f"class accuracy of the samples at the trained ratio: {100 * trained.class_accuracy:.1f}% "
+                    f"(the classifier scores {100 * classifier.held_out_accuracy:.1f}% on real images; chance "
+                    f"{100 / len(pipe.id2label):.1f}%)")
     minutes = (time.perf_counter() - start) / 60
     write_json_atomic(out / "demo_summary.json", {
         "minutes": minutes, "model": str(final), "classifier": str(classifier_dir),
         "classifier_held_out_accuracy": classifier.held_out_accuracy,
         "class_accuracy": {row.ratio: row.class_accuracy for row in result.rows},
         "sweep": {k: str(v) for k, v in files.items()}})
-    print(f"done in {minutes:.1f} min: {out / 'samples_grid.png'}, {files['plot']}, {files['csv']}")
+    logger.info(f"done in {minutes:.1f} min: {out / 'samples_grid.png'}, {files['plot']}, {files['csv']}")
     return 0
 
 

@@ -1,9 +1,9 @@
 """Encode an ImageFolder dataset with a VAE once into a memory-mapped latent cache.
 
-    python scripts/extract_latents.py --data-dir /data/imagenet/train \
+    moh-dit extract-latents --data-dir /data/imagenet/train \
         --vae stabilityai/sd-vae-ft-ema --image-size 256 --output-dir /data/imagenet256-latents
     # 512 px (the DiT-XL/2 512 models): 64 x 64 x 4 latents
-    python scripts/extract_latents.py --data-dir /data/imagenet/train \
+    moh-dit extract-latents --data-dir /data/imagenet/train \
         --vae stabilityai/sd-vae-ft-ema --image-size 512 --output-dir /data/imagenet512-latents
 
 Stores the VAE posterior's mean and std of every image, plain and horizontally flipped,
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.data.latents import extract_latents
+from moh_dit.utils.logging import info_enabled
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +61,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"--data-dir {args.data_dir}: no such folder")
 
 
+@command
 def main(args: argparse.Namespace) -> None:
     check_args(args)
     extract_latents(
@@ -75,6 +77,7 @@ def main(args: argparse.Namespace) -> None:
         on_corrupt=args.on_corrupt,
         dtype=args.dtype,
         overwrite=args.overwrite,
+        progress=info_enabled(),
     )
 
 

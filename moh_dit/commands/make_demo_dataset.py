@@ -1,6 +1,6 @@
 """Write the demo dataset: 12 classes of coloured shapes, 32x32 PNGs, ImageFolder layout.
 
-    python scripts/make_demo_dataset.py --output-dir data/shapes
+    moh-dit make-demo-dataset --output-dir data/shapes
 """
 
 from __future__ import annotations
@@ -9,8 +9,11 @@ import argparse
 import sys
 import time
 
-from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.data.demo_data import demo_classes, make_demo_dataset
+from moh_dit.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -23,6 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@command
 def main(args: argparse.Namespace) -> None:
     # make_demo_dataset checks every value (--images-per-class >= 1, --image-size within
     # MIN_IMAGE_SIZE..MAX_IMAGE_SIZE, --seed >= 0, --output-dir) before it writes anything.
@@ -35,7 +39,7 @@ def main(args: argparse.Namespace) -> None:
         overwrite=args.overwrite,
     )
     n = len(demo_classes())
-    print(
+    logger.info(
         f"wrote {n * args.images_per_class} images ({n} classes x {args.images_per_class}, "
         f"{args.image_size}x{args.image_size}) to {path} in {time.perf_counter() - start:.1f}s"
     )

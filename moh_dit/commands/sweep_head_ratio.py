@@ -1,16 +1,16 @@
 """The head-activation sweep: FID, sFID, IS, precision, recall and attention FLOPs of one model
 at several head activation ratios, with the same images (seeds, labels) at every ratio.
 
-    python scripts/sweep_head_ratio.py --model moh-dit-xl-2-90-pipeline \\
+    moh-dit sweep --model moh-dit-xl-2-90-pipeline \\
         --ref VIRTUAL_imagenet256_labeled.npz --inception-weights weights-inception-2015-12-05-6726825d.pth \\
         --ratios trained,1.0,0.9,0.75,0.6,min --num-samples 10000 --batch-size 64 \\
-        --num-inference-steps 250 --guidance-scale 1.5 --output sweeps/xl-90
+        --num-inference-steps 250 --guidance-scale 1.5 --output-dir sweeps/xl-90
 
-Writes OUTPUT/sweep.json (rows + settings), OUTPUT/sweep.csv and OUTPUT/fid_vs_ratio.png,
-and prints a table. ``--model``: a pipeline folder or a save_pretrained transformer folder
+Writes OUTPUT_DIR/sweep.json (rows + settings), OUTPUT_DIR/sweep.csv and
+OUTPUT_DIR/fid_vs_ratio.png, and prints a table (not with --quiet). ``--model``: a pipeline folder or a save_pretrained transformer folder
 (pixel space, or give --vae). ``--ref``: ADM's reference batch or a folder / .npz of real
 images (e.g. the training ImageFolder for the demo). Without the published Inception weights
-the script stops with advice; ``--random-inception-seed N`` explicitly uses a random
+the command stops with advice; ``--random-inception-seed N`` explicitly uses a random
 Inception instead, and everything is then labelled not comparable to published numbers.
 All the work is done by :func:`moh_dit.sampling.sweep.sweep_head_activation`.
 """
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.utils.cli import ArgumentParser, command, run_cli
+from moh_dit.utils.logging import get_logger, info_enabled
 from moh_dit.evaluation import ADM_K, INCEPTION_WEIGHTS_ENV
 from moh_dit.diffusion.schedulers import SCHEDULERS
 from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SEED_RANGE
@@ -45,6 +46,8 @@ from moh_dit.sampling.sweep import (
     write_sweep,
 )
 
+logger = get_logger(__name__)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ref", required=True, help="ADM reference batch .npz, or an image folder / .npz of real images")
     parser.add_argument("--ratios", default=",".join(str(r) for r in DEFAULT_RATIOS),
                         help="comma-separated head activation ratios in (0, 1], 'trained' and 'min' (default: %(default)s)")
-    parser.add_argument("--output", default="head_ratio_sweep", help="folder for sweep.json/csv and fid_vs_ratio.png")
+    parser.add_argument("--output-dir", default="head_ratio_sweep",
+                        help="folder for sweep.json/csv and fid_vs_ratio.png (default: %(default)s)")
+    parser.add_alias("--output", "--output-dir")
     parser.add_argument("--num-samples", type=int, default=50_000, help="images per ratio")
     parser.add_argument("--batch-size", type=int, default=32, help="images per sampling batch")
     parser.add_argument("--eval-batch-size", type=int, default=64, help="images per Inception forward pass")
@@ -77,12 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="attention path for sampling (affects wall time only): auto (the model's setting; by "
                              "default head-sparse only for large, sparse layers on the CPU), "
                              "masked (every head computed, as the release) or sparse")
-    parser.add_argument("--save-samples", action="store_true", help="also write each ratio's PNGs under OUTPUT/ratio_X/samples/")
+    parser.add_argument("--save-samples", action="store_true", help="also write each ratio's PNGs under OUTPUT_DIR/ratio_X/samples/")
     parser.add_argument("--cache-dir", default=None, help="reference statistics cache (default ~/.cache/moh_dit/reference_stats)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the reference statistics cache")
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved ratios, top-K and FLOPs, and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved ratios, top-K and FLOPs as JSON on stdout (also with --quiet), and exit")
     parser.add_argument("--classifier", default=None,
-                        help="add class accuracy per ratio: a scripts/train_classifier.py folder or torchvision:NAME")
+                        help="add class accuracy per ratio: a moh-dit train-classifier folder or torchvision:NAME")
     parser.add_argument("--classifier-weights", default=None,
                         help="local state-dict file for a torchvision:NAME classifier (offline)")
     return parser.parse_args(argv)
@@ -115,7 +121,7 @@ def check_args(args: argparse.Namespace) -> None:
         what = "is a folder" if Path(args.inception_weights).expanduser().is_dir() else "does not exist"
         raise FileNotFoundError(f"--inception-weights {args.inception_weights} {what}; give the weights file "
                                 "(weights-inception-2015-12-05-6726825d.pth).")
-    check_folder_path(args.output, "--output")
+    check_folder_path(args.output_dir, "--output-dir/--output")  # both spellings are accepted
     if args.cache_dir is not None and not args.no_cache:
         check_folder_path(args.cache_dir, "--cache-dir")
     if args.classifier_weights is not None and args.classifier is None:
@@ -123,7 +129,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.classifier is not None and not args.classifier.startswith("torchvision:"):
         if not (Path(args.classifier).expanduser() / "classifier.json").is_file():
             raise FileNotFoundError(f"--classifier {args.classifier} is not a classifier folder (no classifier.json); "
-                                    "make one with scripts/train_classifier.py or give torchvision:NAME")
+                                    "make one with moh-dit train-classifier or give torchvision:NAME")
 
 
 def sample_settings(args: argparse.Namespace) -> SampleSettings:
@@ -145,26 +151,30 @@ def dry_run(args: argparse.Namespace) -> dict:
         plans.append(dict(ratio=plan.label, realised_ratio=plan.realised_ratio, top_k_per_layer=plan.top_k_per_layer,
                           attention_flops_per_image=sparse * calls, attention_flop_ratio=sparse / dense))
     report = {"args": vars(args), "transformer_calls_per_image": calls, "plans": plans}
+    # The report is what --dry-run asks for (data for the terminal or a pipe), not a progress
+    # message: it is printed whatever the log level.
     print(json.dumps(report, indent=2))
     return report
 
 
+@command
 def main(args: argparse.Namespace):
     check_args(args)
     if args.dry_run:
         return dry_run(args)
     settings = SweepSettings(
         batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, device=args.device, attention=args.attention,
-        output_dir=args.output, save_samples=args.save_samples, cache_dir=args.cache_dir, use_cache=not args.no_cache,
+        output_dir=args.output_dir, save_samples=args.save_samples, cache_dir=args.cache_dir, use_cache=not args.no_cache,
         inception_weights=args.inception_weights, random_inception_seed=args.random_inception_seed,
         download=not args.no_download, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype,
-        classifier=args.classifier, classifier_weights=args.classifier_weights,
+        classifier=args.classifier, classifier_weights=args.classifier_weights, progress=info_enabled(),
     )
-    result = sweep_head_activation(args.model, parse_ratios(args.ratios), args.ref, sample_settings(args), settings)
+    result = sweep_head_activation(args.model, parse_ratios(args.ratios), args.ref, sample_settings(args), settings,
+                                   log=logger.info)
     result.settings["args"] = vars(args)
-    paths = write_sweep(result, args.output)
-    print(result.table())
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    paths = write_sweep(result, args.output_dir)
+    logger.info(result.table())
+    logger.info("wrote " + ", ".join(str(p) for p in paths.values()))
     return result
 
 

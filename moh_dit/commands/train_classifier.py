@@ -1,7 +1,7 @@
 """Train a small CNN on your real images, to measure the class accuracy of generated samples.
 
-    python scripts/train_classifier.py --data-dir DIR --output CLF_DIR
-    python scripts/evaluate.py --samples samples.npz --ref REF --classifier CLF_DIR --output m.json
+    moh-dit train-classifier --data-dir DIR --output-dir CLF_DIR
+    moh-dit evaluate --samples samples.npz --ref REF --classifier CLF_DIR --output m.json
 
 ``--data-dir`` is an ImageFolder (one folder per class); class indices follow the sorted folder
 names, as training does, so label ``i`` of a model trained on the same folder is the
@@ -20,13 +20,17 @@ from pathlib import Path
 import torch
 
 from moh_dit.evaluation.classifier import train_classifier
-from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.utils.cli import ArgumentParser, command, run_cli
+from moh_dit.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", required=True, help="ImageFolder of real images (root/<class>/<image>)")
-    p.add_argument("--output", required=True, help="folder to write the classifier to")
+    p.add_argument("--output-dir", required=True, help="folder to write the classifier to")
+    p.add_alias("--output", "--output-dir")
     p.add_argument("--image-size", type=int, default=32,
                    help="images are centre-cropped and resized to this (the samples are resized the same way)")
     p.add_argument("--epochs", type=int, default=4)
@@ -39,17 +43,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@command
 def main(args: argparse.Namespace) -> int:
     if not Path(args.data_dir).is_dir():
         raise FileNotFoundError(f"--data-dir {args.data_dir}: no such folder; give an ImageFolder of real images")
     result = train_classifier(
-        args.data_dir, args.output, image_size=args.image_size, epochs=args.epochs, batch_size=args.batch_size,
+        args.data_dir, args.output_dir, image_size=args.image_size, epochs=args.epochs, batch_size=args.batch_size,
         learning_rate=args.learning_rate, held_out_fraction=args.held_out_fraction, width=args.width,
-        seed=args.seed, overwrite=args.overwrite,
+        seed=args.seed, overwrite=args.overwrite, log=logger.info,
     )
     worst = min(result.held_out_per_class.items(), key=lambda kv: kv[1], default=None)
     if worst is not None:
-        print(f"lowest held-out class accuracy: {worst[0]} {100 * worst[1]:.1f}%")
+        logger.info(f"lowest held-out class accuracy: {worst[0]} {100 * worst[1]:.1f}%")
     return 0
 
 

@@ -1,17 +1,17 @@
 """Upcycle a dense DiT into a MoH-DiT that keeps every dense weight (docs/upcycling.md).
 
-    python scripts/upcycle.py --checkpoint DiT-XL-2-256x256.pt --preset DiT-XL/2 --output dit-xl-2-up75 \\
+    moh-dit upcycle --checkpoint DiT-XL-2-256x256.pt --preset DiT-XL/2 --output-dir dit-xl-2-up75 \\
         --activation 0.75 --calibration-data imagenet_latents --calibration-batches 8
-    python scripts/upcycle.py --checkpoint runs/dense/final --output up --shared-heads 4,2,2,1,2,0 --top-k 0,1,1,2,1,2
+    moh-dit upcycle --checkpoint runs/dense/final --output-dir up --shared-heads 4,2,2,1,2,0 --top-k 0,1,1,2,1,2
 
 --checkpoint takes a saved MoHDiTTransformer2DModel folder (a training run's final/) or
-anything scripts/convert_checkpoint.py reads for a dense preset (then --preset names it).
+anything moh-dit convert reads for a dense preset (then --preset names it).
 Each layer's shared heads are the most important ones on the calibration data (the eps
 prediction's change when the head is removed); without --calibration-data heads 0..hs-1 are
 shared. Routers start at zero, so the first forward is the dense model with each token's
 unselected heads removed. Per layer the choice and the measured importance are printed. The
 output folder is written atomically and never replaces anything. Then continue training with
-scripts/train.py --preset <upcycled preset> --init-from OUTPUT [--router-warmup-steps N].
+moh-dit train --preset <upcycled preset> --init-from OUTPUT_DIR [--router-warmup-steps N].
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ from pathlib import Path
 
 import torch
 
-from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.hub.upcycle import check_output, save_upcycled, upcycle
+from moh_dit.utils.logging import get_logger, info_enabled
+
+logger = get_logger(__name__)
 
 
 def _layers(text: str) -> int | list[int]:
@@ -37,8 +40,9 @@ def _layers(text: str) -> int | list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="dense model: a saved model folder, or what convert_checkpoint.py reads")
-    p.add_argument("--output", required=True, help="new folder for the MoH model (must not exist, or be empty)")
+    p.add_argument("--checkpoint", required=True, help="dense model: a saved model folder, or what moh-dit convert reads")
+    p.add_argument("--output-dir", required=True, help="new folder for the MoH model (must not exist, or be empty)")
+    p.add_alias("--output", "--output-dir")
     p.add_argument("--preset", default=None, help="dense preset of a checkpoint that is not a saved model folder (DiT-XL/2, ...)")
     p.add_argument("--activation", type=float, default=None, help="head activation of the upcycled preset: 0.75 or 0.9")
     p.add_argument("--shared-heads", type=_layers, default=None, help="shared heads: one number, or one per layer")
@@ -56,8 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@command
 def main(args: argparse.Namespace) -> int:
-    check_output(args.output)  # before any loading or measuring
+    check_output(args.output_dir)  # before any loading or measuring
     if args.calibration_data is None and args.vae is not None:
         raise ValueError("--vae only encodes --calibration-data; give --calibration-data or drop --vae.")
     if args.calibration_data is not None and not Path(args.calibration_data).is_dir():
@@ -74,13 +79,13 @@ def main(args: argparse.Namespace) -> int:
         args.checkpoint, args.activation, shared_heads=args.shared_heads, top_k=args.top_k,
         calibration=args.calibration_data, calibration_batches_count=args.calibration_batches,
         batch_size=args.batch_size, preset=args.preset, weights=args.weights, sample_size=args.sample_size,
-        num_classes=args.num_classes, vae=args.vae, seed=args.seed, device=device,
+        num_classes=args.num_classes, vae=args.vae, seed=args.seed, device=device, progress=info_enabled(),
     )
-    print(report.table())
-    save_upcycled(model, report, args.output)
+    logger.info(report.table())
+    save_upcycled(model, report, args.output_dir)
     params = sum(p.numel() for p in model.parameters())
-    print(f"Wrote the upcycled model ({params:,} parameters, head activation {model.head_activation_ratio:.4f}) "
-          f"to {args.output}")
+    logger.info(f"Wrote the upcycled model ({params:,} parameters, head activation {model.head_activation_ratio:.4f}) "
+                f"to {args.output_dir}")
     return 0
 
 

@@ -1,8 +1,8 @@
 """Upcycling at demo scale, in one command on a CPU (docs/upcycling.md):
 
-    python scripts/upcycle_demo.py [--output-dir upcycle_demo]
+    moh-dit upcycle-demo [--output-dir upcycle_demo]
 
-1. writes the demo dataset (12 classes of coloured shapes, 16x16, as scripts/demo.py) and
+1. writes the demo dataset (12 classes of coloured shapes, 16x16, as moh-dit demo) and
    held-out reference images;
 2. trains a dense DiT-Tiny/2 (the demo model's size: 16 px, patch 2) for N = --dense-steps steps;
 3. upcycles it to MoH-DiT-Tiny/2-up75 (0.75 head activation; shared heads by measured importance
@@ -33,10 +33,13 @@ from typing import Any
 
 import torch
 
-from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.data.demo_data import make_demo_dataset
 from moh_dit.utils.io import atomic_write, write_json_atomic
+from moh_dit.utils.logging import get_logger
 from moh_dit.training import TrainConfig, find_latest_checkpoint, train
+
+logger = get_logger(__name__)
 
 DENSE, UPCYCLED = "DiT-Tiny/2", "MoH-DiT-Tiny/2-up75"  # the main demo's 16 px, patch 2 recipe
 IMAGE_SIZE = 16
@@ -44,7 +47,7 @@ IMAGE_SIZE = 16
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output-dir", default="upcycle_demo")
+    p.add_argument("--output-dir", default="upcycle_demo", help="the demo's folder (default: %(default)s)")
     # N and M are kept small so the whole comparison runs on a CPU in one sitting: it costs 2N + 3M
     # training steps, then 5 x --eval-samples images and the reference through the Inception network
     # (the measured time is in docs/results.md).
@@ -53,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--router-warmup-steps", type=int, default=30, help="of the M steps, routers only (default: %(default)s)")
     p.add_argument("--images-per-class", type=int, default=300)
     p.add_argument("--reference-per-class", type=int, default=30, help="held-out reference images per class")
-    # The settings of scripts/demo.py: a tiny model and a short run.
+    # The settings of moh-dit demo: a tiny model and a short run.
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=100, help="learning-rate warm-up of every run")
@@ -122,7 +125,7 @@ def _upcycle(args: argparse.Namespace, dense: Path, data: Path, target: Path) ->
     if not target.is_dir():
         model, report = upcycle(dense, 0.75, calibration=data, calibration_batches_count=args.calibration_batches,
                                 batch_size=32, seed=args.seed, progress=False)
-        print(report.table())
+        logger.info(report.table())
         save_upcycled(model, report, target)
     return target
 
@@ -165,8 +168,8 @@ def evaluate_models(args: argparse.Namespace, models: list[tuple[str, int, Path]
         rows.append({"model": name, "training_steps": steps, "head_activation": row.realised_ratio,
                      "fid": row.fid, "sfid": row.sfid, "precision": row.precision, "recall": row.recall,
                      "class_accuracy": row.class_accuracy, "folder": str(folder)})
-        print(f"      {name}: FID {row.fid:.2f}, sFID {row.sfid:.2f}, precision {row.precision:.3f}, "
-              f"recall {row.recall:.3f}, class accuracy {row.class_accuracy:.3f}")
+        logger.info(f"      {name}: FID {row.fid:.2f}, sFID {row.sfid:.2f}, precision {row.precision:.3f}, "
+                    f"recall {row.recall:.3f}, class accuracy {row.class_accuracy:.3f}")
     return rows, network
 
 
@@ -189,7 +192,9 @@ SETTINGS_FILE = "upcycle_demo_settings.json"
 def _claim(args: argparse.Namespace, out: Path) -> None:
     """Record the settings; a rerun continues only a demo made with the same ones (finished
     stages are reused, so other settings would mix two demos)."""
-    settings = {k: v for k, v in vars(args).items() if k not in ("output_dir", "inception_weights")}
+    # Where the demo is, where the Inception weights are found and how much it prints do not
+    # change its results.
+    settings = {k: v for k, v in vars(args).items() if k not in ("output_dir", "inception_weights", "verbosity")}
     path = out / SETTINGS_FILE
     if path.is_file():
         before = json.loads(path.read_text())
@@ -203,6 +208,7 @@ def _claim(args: argparse.Namespace, out: Path) -> None:
         write_json_atomic(path, settings)
 
 
+@command
 def main(args: argparse.Namespace) -> int:
     check_args(args)
     start = time.perf_counter()
@@ -215,18 +221,18 @@ def main(args: argparse.Namespace) -> int:
     if not reference.is_dir():
         make_demo_dataset(reference, images_per_class=args.reference_per_class, image_size=IMAGE_SIZE,
                           seed=args.seed + 1)
-    print(f"[1/5] demo dataset: {data} (held-out reference: {reference})")
-    print(f"[2/5] dense {DENSE}: {n} steps")
+    logger.info(f"[1/5] demo dataset: {data} (held-out reference: {reference})")
+    logger.info(f"[2/5] dense {DENSE}: {n} steps")
     dense = _train(args, out / "dense", DENSE, data, n)
-    print(f"[3/5] upcycling to {UPCYCLED}, then {m} steps ({args.router_warmup_steps} routers only)")
+    logger.info(f"[3/5] upcycling to {UPCYCLED}, then {m} steps ({args.router_warmup_steps} routers only)")
     upcycled = _upcycle(args, dense, data, out / "upcycled")
     continued = _train(args, out / "upcycled_run", UPCYCLED, data, m, upcycled, args.router_warmup_steps)
-    print(f"[4/5] baselines: {DENSE} continued {m} steps; {UPCYCLED} from scratch, {n + m} steps")
+    logger.info(f"[4/5] baselines: {DENSE} continued {m} steps; {UPCYCLED} from scratch, {n + m} steps")
     dense_more = _train(args, out / "dense_continued", DENSE, data, m, dense)
     scratch = _train(args, out / "scratch", UPCYCLED, data, n + m)
     classifier, ceiling = _classifier(args, data, out / "classifier")
-    print(f"[5/5] metrics: {args.eval_samples} images per model, {args.sample_steps} DDPM steps (classifier: "
-          f"{ceiling:.3f} on held-out real images)")
+    logger.info(f"[5/5] metrics: {args.eval_samples} images per model, {args.sample_steps} DDPM steps (classifier: "
+                f"{ceiling:.3f} on held-out real images)")
     models = [(f"dense {DENSE}", n, dense), (f"dense {DENSE}, continued", n + m, dense_more),
               ("upcycled, before training", n, upcycled), ("upcycled, continued", n + m, continued),
               (f"{UPCYCLED} from scratch", n + m, scratch)]
@@ -237,9 +243,9 @@ def main(args: argparse.Namespace) -> int:
         f.write(table)
     write_json_atomic(out / "upcycle_demo.json", {
         "features": network, "classifier_held_out_accuracy": ceiling, "rows": rows, "minutes": minutes,
-        "settings": {k: v for k, v in vars(args).items() if k != "output_dir"}})
-    print(table)
-    print(f"done in {minutes:.1f} min: {out / 'upcycle_demo.md'}, {out / 'upcycle_demo.json'}")
+        "settings": {k: v for k, v in vars(args).items() if k not in ("output_dir", "verbosity")}})
+    logger.info(table)
+    logger.info(f"done in {minutes:.1f} min: {out / 'upcycle_demo.md'}, {out / 'upcycle_demo.json'}")
     return 0
 
 

@@ -177,7 +177,7 @@ def find_image_folder(root: str | os.PathLike) -> tuple[list[str], dict[str, int
     if not classes:
         raise ValueError(
             f"data directory {str(root)!r} has no class subfolders; expected the ImageFolder layout "
-            f"root/<class_name>/<image>.png (e.g. scripts/make_demo_dataset.py writes one)"
+            f"root/<class_name>/<image>.png (e.g. moh-dit make-demo-dataset writes one)"
         )
     class_to_idx = {name: i for i, name in enumerate(classes)}
     samples: list[tuple[str, int]] = []

@@ -46,6 +46,7 @@ from .datasets import (
     load_image,
 )
 from ..utils.io import publish_folder, write_json_atomic
+from ..utils.logging import get_logger
 from ..utils.output_folders import check_output_folder
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
 ]
 
 LATENT_FORMAT = "moh-dit-latents"
+logger = get_logger(__name__)
 _VERSION = 1
 _INDEX = "index.json"
 _PROGRESS = "progress.json"
@@ -172,6 +174,8 @@ def extract_latents(
         dtype: storage dtype of mean and std, ``"float32"`` or ``"float16"`` (half the disk).
         overwrite: replace an existing ``output_dir``, which must be a latent cache: the old
             cache is kept until the new one is complete, then removed.
+        progress: show a progress bar of the shards; the summary at the end is logged at
+            info level (shown by ``moh-dit extract-latents``, not to a Python caller).
 
     Rerunning the same call after an interruption resumes from the completed shards.
     Returns the path of the finished cache. Every argument is checked before the VAE is
@@ -209,11 +213,10 @@ def extract_latents(
     index = _write_index(job, data_dir, classes, class_to_idx, settings)
     with publish_folder(output_dir, replace=True) as tmp:  # _check_output_dir refused what may not be replaced
         os.replace(job.partial, tmp)  # the finished cache takes the empty temporary folder's place
-    if progress:
-        elapsed = time.perf_counter() - start
-        rate = f", {encoded / elapsed:.1f} images/s" if encoded and elapsed > 0 else ""
-        print(f"cached {index['num_samples']} latents of shape {job.latent_shape} to {output_dir}{rate}; "
-              f"skipped {index['num_skipped']}")
+    elapsed = time.perf_counter() - start
+    rate = f", {encoded / elapsed:.1f} images/s" if encoded and elapsed > 0 else ""
+    logger.info(f"cached {index['num_samples']} latents of shape {job.latent_shape} to {output_dir}{rate}; "
+                f"skipped {index['num_skipped']}")
     return output_dir
 
 
@@ -466,7 +469,7 @@ class LatentDataset(Dataset):
         index_path = self.root / _INDEX
         if not index_path.is_file():
             raise ValueError(
-                f"{str(self.root)!r} is not a latent cache (no {_INDEX}); create one with scripts/extract_latents.py"
+                f"{str(self.root)!r} is not a latent cache (no {_INDEX}); create one with moh-dit extract-latents"
             )
         meta = json.loads(index_path.read_text())
         if meta.get("format") != LATENT_FORMAT or meta.get("version") != _VERSION:

@@ -340,7 +340,7 @@ def load_checkpoint_state_dict(source: str | os.PathLike, weights: str = "ema") 
 def _check_output(output: Path, overwrite: bool) -> None:
     """Refuse an output that is a file (or lies under one) whatever ``overwrite`` says, and a
     non-empty folder without it: nothing the user made is replaced unasked."""
-    check_folder_path(output, "Output", "--output (output=) must be a folder path", error=FileExistsError)
+    check_folder_path(output, "Output", "--output-dir (output=) must be a folder path", error=FileExistsError)
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise FileExistsError(
             f"Output folder {output} exists and is not empty; choose another or pass --overwrite (overwrite=True) "

@@ -1,6 +1,6 @@
 """Share a trained MoH-DiT like any diffusers model: a pipeline folder that carries its own code.
 
-:func:`export_pipeline` (``scripts/export_pipeline.py``) loads a model the way
+:func:`export_pipeline` (``moh-dit export``) loads a model the way
 ``moh_dit.sampling.sample.load_pipeline`` does and writes a folder that
 ``diffusers.DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)`` loads without
 moh-dit installed, through diffusers' custom-pipeline and custom-component files::
@@ -127,9 +127,9 @@ def resolve_model(model: str | os.PathLike, vae: str | None = None) -> ExportSou
 
 
 def read_metrics(path: str | os.PathLike) -> dict[str, Any]:
-    """``--metrics``: the JSON ``scripts/evaluate.py --output`` writes (fid, sfid, ...)."""
+    """``--metrics``: the JSON ``moh-dit evaluate --output`` writes (fid, sfid, ...)."""
     path = Path(path)
-    advice = "the JSON file scripts/evaluate.py --output writes"
+    advice = "the JSON file moh-dit evaluate --output writes"
     if not path.is_file():
         raise FileNotFoundError(f"--metrics {path} {'is a folder' if path.is_dir() else 'does not exist'}; give {advice}.")
     metrics = _read_json(path, "--metrics", advice)
@@ -147,7 +147,7 @@ def read_sweep(path: str | os.PathLike) -> dict[str, Any]:
     ``moh_dit.sampling.sweep_results.write_sweep`` writes it: ``settings`` and one row per ratio."""
     path = Path(path)
     file = path / SWEEP_JSON if path.is_dir() else path
-    advice = f"the output folder of scripts/sweep_head_ratio.py (it holds {SWEEP_JSON})"
+    advice = f"the output folder of moh-dit sweep (it holds {SWEEP_JSON})"
     if not file.is_file():
         raise FileNotFoundError(f"--sweep {path}: {file} does not exist; give {advice}.")
     sweep = _read_json(file, "--sweep", advice)
@@ -251,10 +251,10 @@ def _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, ove
         raise ValueError(f"--license {license!r}; give a Hub license id such as apache-2.0 or cc-by-nc-4.0.")
     out = Path(output).expanduser()
     if out.resolve() == source.model_dir.resolve() or source.model_dir.resolve() in out.resolve().parents:
-        raise ValueError(f"--output {output} is the model folder or inside it; choose a folder of its own.")
+        raise ValueError(f"--output-dir {output} is the model folder or inside it; choose a folder of its own.")
     empty = out.is_dir() and not any(out.iterdir())
     check_output_folder(out, overwrite or empty, is_export, f"an export of {EXPORTED_BY} (it has {INFO_FILE})",
-                        named="--output ", flag="--output")
+                        named="--output-dir ", flag="--output-dir")
     return _Request(source=source, output=out, vae=vae, variant=variant, metrics=metrics_dict, sweep=sweep_dict,
                     repo_id=push_to_hub, license=license, model_label=str(model))
 

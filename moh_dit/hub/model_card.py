@@ -3,7 +3,7 @@
 A YAML metadata header (library, pipeline tag, license, tags) and then, from the pipeline and
 the files given: the model (preset, size, classes, VAE), its per-layer head layout, the head
 activation it was trained at and the range it can run at, the training recipe from the run's
-``train_config.json``, evaluation results (``scripts/evaluate.py``'s JSON) and a head-ratio
+``train_config.json``, evaluation results (``moh-dit evaluate``'s JSON) and a head-ratio
 sweep (``sweep.json``), how to load and sample it, and the MoH paper's citation.
 """
 
