@@ -5,6 +5,9 @@ One CPU or GPU:   python scripts/train.py --preset MoH-DiT-Tiny --data-dir demo_
 Many GPUs/nodes:  accelerate launch --multi_gpu --num_processes 8 scripts/train.py --preset MoH-DiT-XL/2-90 \
                       --latents-dir imagenet_latents --output-dir runs/xl --global-batch-size 256
 To resume, run the same command again with --resume latest.
+diffusers' spellings work too: --train_data_dir, --resolution, --train_batch_size, --max_train_steps,
+                  --checkpointing_steps, --lr_warmup_steps, --resume_from_checkpoint, --dataloader_num_workers,
+                  and every flag with underscores (--output_dir, --mixed_precision, --lr_scheduler).
 From weights:     python scripts/train.py --preset MoH-DiT-XL/2-up75 --init-from dit-xl-2-up75 --router-warmup-steps 2000 \
                       --latents-dir imagenet_latents --output-dir runs/up75   (resume it with --resume latest, without
                       --init-from: the checkpoints hold the weights)
@@ -24,13 +27,18 @@ import sys
 import typing
 
 from moh_dit.utils.cli import ArgumentParser, EXPECTED_ERRORS, run_cli
+from moh_dit.utils.logging import get_logger
 from moh_dit.training import TrainConfig, TrainingDivergedError, preflight, train
+
+logger = get_logger(__name__)
 
 # The order --help lists the flags in (each TrainConfig field with a flag, once; checked).
 HELP_ORDER = ("preset", "data_dir", "latents_dir", "vae", "vae_subfolder", "image_size", "output_dir", "max_steps",
-              "global_batch_size", "learning_rate", "weight_decay", "warmup_steps", "max_grad_norm",
+              "global_batch_size", "train_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler",
+              "warmup_steps", "weight_decay", "max_grad_norm",
               "checkpoint_every", "checkpoints_total_limit", "resume", "init_from", "router_warmup_steps",
-              "mixed_precision", "allow_tf32", "seed", "lb_coeff", "ema_decay", "class_dropout",
+              "mixed_precision", "allow_tf32", "seed", "lb_coeff", "ema_decay", "ema_warmup", "ema_inv_gamma",
+              "ema_power", "class_dropout",
               "gradient_checkpointing", "compile", "compile_per_block", "compile_mode", "num_workers", "on_corrupt",
               "random_flip", "log_every", "sample_every", "sample_steps", "report_to")
 
@@ -42,8 +50,9 @@ def _flag_fields() -> dict[str, dataclasses.Field]:
     return {name: fields[name] for name in HELP_ORDER}
 
 
-def _add_flag(parser, f: dataclasses.Field, value_type: type) -> None:
-    """``f``'s flag: spelling, help and choices from its metadata, default and type from the field."""
+def _add_flag(parser, f: dataclasses.Field, value_type: type, root: ArgumentParser) -> None:
+    """``f``'s flag on ``parser`` (``root`` or one of its groups): spelling, help, choices and
+    aliases from its metadata, default and type from the field."""
     meta = f.metadata
     name = meta["flag"] or "--" + f.name.replace("_", "-")
     kwargs = {"dest": f.name, "help": meta["help"]}
@@ -59,6 +68,8 @@ def _add_flag(parser, f: dataclasses.Field, value_type: type) -> None:
         if meta[key] is not None:
             kwargs[key] = list(meta[key]) if key == "choices" else meta[key]
     parser.add_argument(name, **kwargs)
+    for alias in meta["aliases"]:
+        root.add_alias(alias, name)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if one_of is not None and one_of not in groups:
             groups[one_of] = p.add_mutually_exclusive_group(required=True)
         value_type = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
-        _add_flag(groups[one_of] if one_of is not None else p, f, value_type)
+        _add_flag(groups[one_of] if one_of is not None else p, f, value_type, p)
     p.add_argument("--dry-run", action="store_true",
                    help="check everything, print the resolved configuration and exit (writes nothing, takes no lock)")
     return p.parse_args(argv)
@@ -93,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     final = train(cfg)
     if os.environ.get("RANK", "0") == "0":  # once, not by every process of a distributed launch
-        print(f"Done. EMA model: {final}")
+        logger.info(f"Done. EMA model: {final}")
     return 0
 
 

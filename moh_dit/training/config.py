@@ -8,19 +8,26 @@ their defaults and choices from here, so an option is described in one place.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ..models.presets import PRESETS
+from ..utils.logging import get_logger
 from ..utils.speed import COMPILE_MODES
+from .schedules import EMA_INV_GAMMA, EMA_POWER, LR_SCHEDULERS, initial_weight_share
+from .tracking import REPORT_TO, check_installed
 
 DIFFUSION_STEPS = 1000
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
-REPORT_TO = ("tensorboard", "wandb", "none")
 ON_CORRUPT = ("error", "skip")
+DEFAULT_GLOBAL_BATCH_SIZE = 256  # DiT's
+# The run's EMA would still be more than this share of the initial weights at the end: warn.
+EMA_STALE_SHARE = 0.1
+
+logger = get_logger(__name__)
 
 
 class TrainingDivergedError(FloatingPointError):
@@ -36,7 +43,8 @@ class CheckpointIntegrityError(ValueError):
 
 
 def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
+    """A one-line warning on stderr (``warning: ...``), shown to Python callers too."""
+    logger.warning(message)
 
 
 def _check(ok: bool, flag: str, value: Any, rule: str) -> None:
@@ -54,13 +62,14 @@ def _zero_is_none(value: int | None) -> int | None:
 
 def option(default: Any = None, help: str | None = None, *, flag: str | None = None, choices=None,
            metavar: str | None = None, one_of: str | None = None, negated: bool = False,
-           from_flag: Callable[[Any], Any] | None = None, required: bool = False):
+           from_flag: Callable[[Any], Any] | None = None, required: bool = False, aliases: tuple[str, ...] = ()):
     """A field that ``scripts/train.py`` offers as a flag. ``flag``: its spelling when not
     ``--field-name``; ``negated``: a boolean whose flag turns it off (``--no-flip``);
     ``one_of``: flags of the same name form a required either-or group; ``from_flag``: maps
-    the parsed value onto the field's; ``required``: a field without a default."""
+    the parsed value onto the field's; ``required``: a field without a default; ``aliases``:
+    other names of the flag (diffusers' example scripts' spellings), not listed in --help."""
     metadata = {"flag": flag, "help": help, "choices": choices, "metavar": metavar, "one_of": one_of,
-                "negated": negated, "from_flag": from_flag}
+                "negated": negated, "from_flag": from_flag, "aliases": aliases}
     return field(metadata=metadata) if required else field(default=default, metadata=metadata)
 
 
@@ -71,39 +80,61 @@ class TrainConfig:
     preset: str = option(required=True, choices=tuple(PRESETS), metavar="PRESET",
                          help=f"model preset: {', '.join(PRESETS)}")
     output_dir: str = option(required=True)
-    data_dir: str | None = option(None, "ImageFolder: one sub-folder of images per class", one_of="data")
+    data_dir: str | None = option(None, "ImageFolder: one sub-folder of images per class", one_of="data",
+                                  aliases=("--train_data_dir",))
     latents_dir: str | None = option(None, "latent cache written by scripts/extract_latents.py", one_of="data")
     vae: str = option("stabilityai/sd-vae-ft-ema", "AutoencoderKL hub id or local folder, or 'none' for pixel space "
                       "(default: %(default)s)")
     vae_subfolder: str | None = option(None, "subfolder of --vae holding the VAE (e.g. 'vae' of a pipeline)")
-    image_size: int = option(256)
-    max_steps: int = option(400_000)
-    global_batch_size: int = option(256)
+    image_size: int = option(256, aliases=("--resolution",))
+    max_steps: int = option(400_000, "optimiser steps of the whole run (default: %(default)s)",
+                            aliases=("--max_train_steps",))
+    global_batch_size: int | None = option(
+        None, f"images per optimiser step over all processes (default: {DEFAULT_GLOBAL_BATCH_SIZE}, or "
+        "--train-batch-size x processes x --gradient-accumulation-steps)")
+    train_batch_size: int | None = option(
+        None, "images per process in one forward pass (diffusers' --train_batch_size); the global batch is this x "
+        "processes x --gradient-accumulation-steps")
+    gradient_accumulation_steps: int | None = option(
+        None, "forward/backward passes per optimiser step; the loss is scaled so that the step equals one of the "
+        "whole batch (default: accelerate launch's --gradient_accumulation_steps, else 1)")
     learning_rate: float = option(1e-4)
+    lr_scheduler: str = option("constant_with_warmup", "diffusers.optimization's LR schedule over --max-steps "
+                               "(default: %(default)s)", choices=LR_SCHEDULERS)
     weight_decay: float = option(0.0)
     adam_betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = option(0)
+    warmup_steps: int = option(0, "LR warm-up steps of --lr-scheduler (default: %(default)s)",
+                               aliases=("--lr_warmup_steps",))
     max_grad_norm: float | None = option(None, "clip gradients to this norm (default: off, as DiT)")
-    checkpoint_every: int = option(50_000)
+    checkpoint_every: int = option(50_000, aliases=("--checkpointing_steps",))
     checkpoints_total_limit: int | None = option(
         2, "keep this many newest checkpoints of this run (0: all; default: %(default)s)", from_flag=_zero_is_none)
     resume: str | None = option(None, "'latest' (the newest intact checkpoint of --output-dir; falls back past "
-                                "damaged ones) or a checkpoint folder")
-    mixed_precision: str = option("no", choices=MIXED_PRECISIONS)
+                                "damaged ones) or a checkpoint folder", aliases=("--resume_from_checkpoint",))
+    mixed_precision: str | None = option(
+        None, "default: accelerate's choice (accelerate launch --mixed_precision or its config, which set "
+        "ACCELERATE_MIXED_PRECISION), else no", choices=MIXED_PRECISIONS)
     allow_tf32: bool = option(True, "disable TF32 matmuls on Ampere+ GPUs", flag="--no-tf32", negated=True)
     seed: int = option(0)
     lb_coeff: float = option(0.01, "weight of the MoH load-balance loss")
-    ema_decay: float = option(0.9999)
+    ema_decay: float = option(0.9999, "EMA decay; without --ema-warmup the EMA starts as an exact copy and decays "
+                              "at this rate from the first step, as DiT (default: %(default)s)")
+    ema_warmup: bool = option(False, "diffusers' EMAModel warm-up: decay min(--ema-decay, 1 - (1 + t / "
+                              "--ema-inv-gamma) ** -(--ema-power)) at step t, so short runs get a useful EMA")
+    ema_inv_gamma: float = option(EMA_INV_GAMMA, "with --ema-warmup (default: %(default)s)")
+    ema_power: float = option(EMA_POWER, "with --ema-warmup: 2/3 suits runs of a million steps, 3/4 shorter ones "
+                              "(default: 2/3)")
     class_dropout: float = option(0.1, "label dropout for classifier-free guidance")
     gradient_checkpointing: bool = option(False)
-    num_workers: int = option(4)
+    num_workers: int = option(4, aliases=("--dataloader_num_workers",))
     on_corrupt: str = option("error", "unreadable images: stop with the file name (default) or skip and count them",
                              choices=ON_CORRUPT)
     random_flip: bool = option(True, "disable random horizontal flips", flag="--no-flip", negated=True)
     log_every: int = option(100)
     sample_every: int = option(0, "save an EMA sample grid every N steps (0: off)")
     sample_steps: int = option(50, "DDPM steps of the monitoring grid")
-    report_to: str = option("tensorboard", choices=REPORT_TO)
+    report_to: str | None = option(None, "experiment tracker (default: tensorboard if it is installed, else none); "
+                                   "one that is asked for must be installed", choices=REPORT_TO)
     model_overrides: dict[str, Any] = field(default_factory=dict)
     init_from: str | None = option(None, "start a new run from the weights of a saved model folder "
                                    "(scripts/upcycle.py's output, a run's final/); new optimiser, EMA starting as a "
@@ -141,9 +172,11 @@ class TrainConfig:
         if self.vae_subfolder is not None and (self.data_dir is None or self.vae.lower() == "none"):
             raise ValueError(f"--vae-subfolder {self.vae_subfolder!r} needs a VAE, but the run uses "
                              f"{'--latents-dir' if self.data_dir is None else '--vae none'}; drop --vae-subfolder.")
-        for name in ("max_steps", "global_batch_size", "checkpoint_every", "image_size", "log_every"):
+        optional = ("global_batch_size", "train_batch_size", "gradient_accumulation_steps")  # None: decided later
+        for name in ("max_steps", "checkpoint_every", "image_size", "log_every", *optional):
             value = getattr(self, name)
-            _check(isinstance(value, int) and value >= 1, f"--{name.replace('_', '-')}", value, "at least 1")
+            if not (value is None and name in optional):
+                _check(isinstance(value, int) and value >= 1, f"--{name.replace('_', '-')}", value, "at least 1")
         for name in ("warmup_steps", "num_workers", "sample_every"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 0, f"--{name.replace('_', '-')}", value, "0 or more")
@@ -166,13 +199,16 @@ class TrainConfig:
         if self.sample_every:
             _check(isinstance(self.sample_steps, int) and 1 <= self.sample_steps <= DIFFUSION_STEPS, "--sample-steps",
                    self.sample_steps, f"in [1, {DIFFUSION_STEPS}] (the diffusion's steps) when --sample-every is on")
-        if self.mixed_precision not in MIXED_PRECISIONS:
+        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISIONS:
             raise ValueError(f"--mixed-precision must be no, fp16 or bf16, got {self.mixed_precision!r}.")
-        _check(_finite(self.ema_decay) and 0.0 <= self.ema_decay < 1.0, "--ema-decay", self.ema_decay, "in [0, 1)")
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise ValueError(f"--lr-scheduler must be one of {', '.join(LR_SCHEDULERS)}, got {self.lr_scheduler!r}.")
+        self._validate_ema()
         _check(_finite(self.class_dropout) and 0.0 <= self.class_dropout < 1.0, "--class-dropout", self.class_dropout,
                "in [0, 1)")
-        if self.report_to not in REPORT_TO:
-            raise ValueError(f"--report-to must be tensorboard, wandb or none, got {self.report_to!r}.")
+        if self.report_to is not None and self.report_to not in REPORT_TO:
+            raise ValueError(f"--report-to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}.")
+        check_installed(self.report_to)
         if self.on_corrupt not in ON_CORRUPT:
             raise ValueError(f"--on-corrupt must be error or skip, got {self.on_corrupt!r}.")
         if self.resume not in (None, "latest") and not Path(self.resume).is_dir():
@@ -180,14 +216,64 @@ class TrainConfig:
         self._validate_init()
         self._validate_compile()
 
-    def check_batch_split(self, num_processes: int) -> None:
-        """The global batch splits evenly over ``num_processes`` (``train`` checks this once
-        the launch's Accelerator exists, after :meth:`validate`)."""
-        if self.global_batch_size % num_processes:
-            raise ValueError(
-                f"--global-batch-size {self.global_batch_size} is not divisible by the number of processes "
-                f"({num_processes}); use a multiple of {num_processes}."
-            )
+    def check_batch_split(self, num_processes: int, accumulation: int | None = None) -> int:
+        """The global batch of a launch of ``num_processes`` accumulating ``accumulation``
+        (default: the option's, else 1) passes per step; it must split evenly into them, and
+        agree with --train-batch-size when both are given (``train`` checks this once the
+        launch's Accelerator exists, after :meth:`validate`)."""
+        accumulation = accumulation or self.gradient_accumulation_steps or 1
+        parts = num_processes * accumulation
+        split = f"{num_processes} processes x --gradient-accumulation-steps {accumulation}"
+        if self.train_batch_size is not None:
+            implied = self.train_batch_size * parts
+            if self.global_batch_size is not None and self.global_batch_size != implied:
+                raise ValueError(
+                    f"--train-batch-size {self.train_batch_size} x {split} makes {implied} images per step, but "
+                    f"--global-batch-size is {self.global_batch_size}; give one of the two, or values that agree.")
+            return implied
+        global_batch = self.global_batch_size or DEFAULT_GLOBAL_BATCH_SIZE
+        if global_batch % parts:
+            if accumulation == 1:
+                raise ValueError(f"--global-batch-size {global_batch} is not divisible by the number of processes "
+                                 f"({num_processes}); use a multiple of {num_processes}.")
+            raise ValueError(f"--global-batch-size {global_batch} is not divisible by {split} = {parts}; use a "
+                             f"multiple of {parts}.")
+        return global_batch
+
+    def for_launch(self, num_processes: int, mixed_precision: str, accumulation: int, report_to: str) -> "TrainConfig":
+        """This config with what the launch decided filled in -- the global and per-process
+        batch, the accumulation, the precision and the tracker -- as the run records it."""
+        if self.gradient_accumulation_steps is not None and accumulation != self.gradient_accumulation_steps:
+            raise ValueError(f"--gradient-accumulation-steps {self.gradient_accumulation_steps} disagrees with "
+                             f"accelerate's {accumulation} (accelerate launch --gradient_accumulation_steps or "
+                             "ACCELERATE_GRADIENT_ACCUMULATION_STEPS); give the same value, or only one of them.")
+        if mixed_precision not in MIXED_PRECISIONS:
+            raise ValueError(f"accelerate's mixed precision {mixed_precision!r} is not supported by this trainer; "
+                             "use --mixed-precision no, fp16 or bf16.")
+        global_batch = self.check_batch_split(num_processes, accumulation)
+        return dataclasses.replace(self, global_batch_size=global_batch, gradient_accumulation_steps=accumulation,
+                                   train_batch_size=global_batch // (num_processes * accumulation),
+                                   mixed_precision=mixed_precision, report_to=report_to)
+
+    def ema_warning(self) -> str | None:
+        """The warning for a run whose EMA would end as mostly its initial weights, or None."""
+        share = initial_weight_share(self.max_steps, self.ema_decay, self.ema_warmup)
+        if share <= EMA_STALE_SHARE:
+            return None
+        return (f"--ema-decay {self.ema_decay} over {self.max_steps} steps: the EMA model that final/ exports "
+                f"would still be {share:.0%} the initial weights (decay ** steps = {share:.3g}); add --ema-warmup, "
+                "or lower --ema-decay, for an EMA that follows training.")
+
+    def _validate_ema(self) -> None:
+        """--ema-decay, --ema-warmup, --ema-inv-gamma and --ema-power."""
+        _check(_finite(self.ema_decay) and 0.0 <= self.ema_decay < 1.0, "--ema-decay", self.ema_decay, "in [0, 1)")
+        _check(_finite(self.ema_inv_gamma) and self.ema_inv_gamma > 0, "--ema-inv-gamma", self.ema_inv_gamma,
+               "a finite number above 0")
+        _check(_finite(self.ema_power) and self.ema_power > 0, "--ema-power", self.ema_power,
+               "a finite number above 0")
+        if not self.ema_warmup and (self.ema_inv_gamma != EMA_INV_GAMMA or self.ema_power != EMA_POWER):
+            raise ValueError("--ema-inv-gamma and --ema-power shape --ema-warmup's schedule; add --ema-warmup or "
+                             "drop them.")
 
     def _validate_compile(self) -> None:
         """--compile, --compile-per-block and --compile-mode."""

@@ -205,8 +205,9 @@ def preflight(cfg: TrainConfig) -> str:
     taking no lock (``--dry-run``); returns what ``train`` would do."""
     cfg.validate()
     plan = plan_run(cfg)
-    for message in plan.warnings:
-        warn(message)
+    for message in [*plan.warnings, cfg.ema_warning()]:
+        if message is not None:
+            warn(message)
     if plan.resume_from:
         return f"would resume from {plan.resume_from} (step {plan.marker['step']})"
     return "would start a new run" if cfg.resume is None else (plan.notes or ["would start from scratch"])[0]

@@ -35,11 +35,16 @@ from ..diffusion.gaussian_diffusion import create_diffusion
 from ..models.presets import resolve_layer_layout
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 from ..utils.io import atomic_write, publish_folder
+from ..utils.logging import get_logger
 from ..utils.runtime import set_tf32
 from ..utils.speed import compile_model, peak_flops, training_flops_per_image
 from .checkpoints import Parts, TrainState, load_checkpoint, on_main, save_checkpoint
 from .config import TrainConfig, TrainingDivergedError, warn
 from .run_folder import FolderLock, Plan, claim_folder, normalized, probe_and_plan, record_run, run_identity
+from .schedules import build_lr_scheduler, ema_decay_at
+from .tracking import log_images, log_with, resolve_report_to
+
+logger = get_logger(__name__)
 
 
 def train(cfg: TrainConfig) -> Path:
@@ -48,7 +53,7 @@ def train(cfg: TrainConfig) -> Path:
     to the end (released however the run ends)."""
     from accelerate.utils import set_seed
 
-    accelerator = _start_accelerator(cfg)
+    accelerator, cfg = _start_accelerator(cfg)  # cfg from here on: with what the launch decided
     lock = FolderLock(Path(cfg.output_dir))
     try:
         # Set up. Read-only until claim_folder: a refused run leaves the folder as it was.
@@ -60,7 +65,7 @@ def train(cfg: TrainConfig) -> Path:
         data = _build_data(cfg, accelerator)  # validated before any model or VAE work
         space = _build_latent_space(cfg, data.dataset, accelerator.device)
         model, model_config = _build_model(cfg, space, data.classes)
-        on_main(accelerator, lambda: claim_folder(cfg, plan, lock, model_config, accelerator.print))
+        on_main(accelerator, lambda: claim_folder(cfg, plan, lock, model_config, logger.info))
         parts, model = _build_optimisation(cfg, accelerator, model, data.sampler)
         diffusion = create_diffusion()
         flops_per_image, device_peak = _mfu_terms(cfg, accelerator, parts.model)
@@ -68,7 +73,7 @@ def train(cfg: TrainConfig) -> Path:
         # Resume: every part's state, then the run record (written only once the state has loaded).
         if plan.resume_from is not None:
             load_checkpoint(parts, Path(plan.resume_from))
-            accelerator.print(f"Resumed from {plan.resume_from} at step {parts.state.step}.")
+            _say(accelerator, f"Resumed from {plan.resume_from} at step {parts.state.step}.")
         run = {"run_id": plan.run_id, **run_identity(cfg), "model_config": model_config}  # in every marker
         if accelerator.is_main_process:
             record_run(cfg, {"run_id": plan.run_id, "data_path": run["data_path"],
@@ -79,15 +84,17 @@ def train(cfg: TrainConfig) -> Path:
             accelerator.init_trackers("moh-dit", config={k: v for k, v in dataclasses.asdict(cfg).items()
                                                          if isinstance(v, (int, float, str, bool))})
 
-        # Loop, to cfg.max_steps. The loss is checked for NaN/inf at the steps that log, sample
-        # or checkpoint, before anything is written; in between, nothing waits for the device.
+        # Loop, to cfg.max_steps optimiser steps of cfg.gradient_accumulation_steps batches each.
+        # The loss is checked for NaN/inf at the steps that log, sample or checkpoint, before
+        # anything is written; in between, nothing waits for the device.
         state, batches = parts.state, data.batches()
         log, watch = _TrainLog(cfg, parts, flops_per_image, device_peak), _DivergenceWatch(accelerator.device)
         last_checkpoint = plan.resume_from  # what a divergence names until the first checkpoint of this start
         while state.step < cfg.max_steps:
-            x, y = _next_batch(batches, data, space, state, accelerator.device)
+            micro_batches = [_next_batch(batches, data, space, state, accelerator.device)
+                             for _ in range(cfg.gradient_accumulation_steps)]
             log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps
-            step = _train_step(cfg, parts, model, diffusion, x, y, log_now)
+            step = _train_step(cfg, parts, model, diffusion, micro_batches, log_now)
             watch.update(state.step, step)
             log.add(step)
             sample_now = bool(cfg.sample_every) and state.step % cfg.sample_every == 0
@@ -113,20 +120,37 @@ def train(cfg: TrainConfig) -> Path:
 # --------------------------------------------------------------------------------------
 
 
-def _start_accelerator(cfg: TrainConfig):
-    """The Accelerator of this launch, once ``cfg`` passed its checks, its batch splits over
+def _say(accelerator, message: str) -> None:
+    """An info line of the run, once (from the main process)."""
+    if accelerator.is_main_process:
+        logger.info(message)
+
+
+def _start_accelerator(cfg: TrainConfig) -> tuple[Any, TrainConfig]:
+    """The Accelerator of this launch and ``cfg`` with what the launch decided (precision,
+    accumulation, batch split, tracker), once ``cfg`` passed its checks, its batch splits over
     the launch's processes, and the launch is one this trainer's checkpoints support (plain
-    data-parallel)."""
+    data-parallel). Options left out are accelerate's to decide, as in diffusers' scripts:
+    ``--mixed-precision`` (accelerate launch's flag or config), ``--gradient-accumulation-steps``."""
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
     cfg.validate()  # before the Accelerator, which would otherwise report bad options in its own terms
+    report_to, tracker_source = resolve_report_to(cfg.report_to)
+    if cfg.mixed_precision is not None:
+        precision_source = "--mixed-precision"
+    elif os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        precision_source = "accelerate's ACCELERATE_MIXED_PRECISION, from accelerate launch or its config"
+    else:
+        precision_source = "accelerate's default; set it with --mixed-precision or accelerate launch --mixed_precision"
     accelerator = Accelerator(
         mixed_precision=cfg.mixed_precision,
-        log_with=None if cfg.report_to == "none" else cfg.report_to,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps or 1,
+        log_with=log_with(report_to),
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs")),
     )
-    cfg.check_batch_split(accelerator.num_processes)
+    cfg = cfg.for_launch(accelerator.num_processes, accelerator.mixed_precision,
+                         accelerator.gradient_accumulation_steps, report_to)
     kind = str(accelerator.distributed_type).upper()
     if any(name in kind for name in ("DEEPSPEED", "FSDP", "MEGATRON")):
         raise ValueError(f"accelerate's {accelerator.distributed_type} is not supported by this trainer's checkpoints; "
@@ -136,7 +160,20 @@ def _start_accelerator(cfg: TrainConfig):
         # Every launched process would train alone (and all but one would find the folder busy).
         raise ValueError(f"launched as {world} processes (WORLD_SIZE={world}) but accelerate sees one; on CPU set "
                          "ACCELERATE_USE_CPU=1 for torchrun, or use accelerate launch --cpu.")
-    return accelerator
+    if accelerator.is_main_process:
+        _announce_launch(cfg, accelerator.num_processes, precision_source, tracker_source)
+    return accelerator, cfg
+
+
+def _announce_launch(cfg: TrainConfig, num_processes: int, precision_source: str, tracker_source: str) -> None:
+    """What the launch decided, and the EMA warning of a run whose EMA would not follow training."""
+    logger.info(f"Mixed precision: {cfg.mixed_precision} ({precision_source}).")
+    logger.info(f"Batch: {cfg.global_batch_size} images per step = {cfg.train_batch_size} per process x "
+                f"{num_processes} processes x {cfg.gradient_accumulation_steps} accumulation steps.")
+    logger.info(f"Tracker: {cfg.report_to} ({tracker_source}).")
+    ema_warning = cfg.ema_warning()
+    if ema_warning is not None:
+        warn(ema_warning)
 
 
 def _check_init_resume(cfg: TrainConfig, plan: Plan) -> None:
@@ -173,7 +210,7 @@ def _build_data(cfg: TrainConfig, accelerator) -> _Data:
         dataset = ImageFolderDataset(
             cfg.data_dir, cfg.image_size, random_flip=cfg.random_flip, seed=cfg.seed, on_corrupt=cfg.on_corrupt
         )
-    per_process = cfg.global_batch_size // accelerator.num_processes
+    per_process = cfg.train_batch_size  # one forward pass of this process
     sampler = ResumableSampler(len(dataset), num_replicas=accelerator.num_processes,
                                rank=accelerator.process_index, seed=cfg.seed)
     # A private generator: DataLoader iterators draw a seed from the global RNG otherwise,
@@ -257,8 +294,8 @@ def _load_init_weights(cfg: TrainConfig, model: MoHDiTTransformer2DModel, model_
 
 
 def _build_optimisation(cfg: TrainConfig, accelerator, model, sampler: ResumableSampler):
-    """EMA (an exact copy of the initial model), AdamW and the warmup schedule, prepared by
-    accelerate: the :class:`Parts` a checkpoint saves, and the model as accelerate prepared it."""
+    """EMA (an exact copy of the initial model), AdamW prepared by accelerate, and the LR
+    schedule: the :class:`Parts` a checkpoint saves, and the model as accelerate prepared it."""
     if cfg.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     ema = copy.deepcopy(model).to(accelerator.device).requires_grad_(False).eval()
@@ -269,9 +306,9 @@ def _build_optimisation(cfg: TrainConfig, accelerator, model, sampler: Resumable
     fused = {"fused": True} if accelerator.device.type == "cuda" else {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   betas=tuple(cfg.adam_betas), **fused)
-    warmup = max(cfg.warmup_steps, 0)
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # Not prepared: accelerate would step it once per process; here it steps once per optimiser step.
+    lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, optimizer, cfg.warmup_steps, cfg.max_steps)
     # EMA and step/data position are saved by this package (safetensors + JSON), not
     # registered with accelerate, whose custom state is a pickle loaded with weights_only=False.
     parts = Parts(accelerator, accelerator.unwrap_model(model), ema, optimizer, lr_scheduler, TrainState(sampler))
@@ -283,7 +320,7 @@ def _mfu_terms(cfg: TrainConfig, accelerator, model) -> tuple[int, float]:
     for known GPUs, else a timed matmul: said once at the start), for the MFU in the logs."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision, torch.float32)
     peak, source = peak_flops(accelerator.device, dtype, allow_tf32=cfg.allow_tf32)
-    accelerator.print(f"MFU is measured against the {source}.")
+    _say(accelerator, f"MFU is measured against the {source}.")
     return training_flops_per_image(model), peak
 
 
@@ -339,20 +376,28 @@ def _next_batch(batches: Iterator, data: _Data, space: LatentSpace, state: Train
     return x, y
 
 
-def _train_step(cfg: TrainConfig, parts: Parts, model: torch.nn.Module, diffusion, x: torch.Tensor, y: torch.Tensor,
-                log_now: bool) -> _Step:
-    """One optimiser step on (x, y) through ``model`` (as accelerate prepared it): diffusion
-    loss plus ``lb_coeff`` times the load-balance loss, backward, clipping, AdamW, the LR
-    schedule and the EMA."""
+def _train_step(cfg: TrainConfig, parts: Parts, model: torch.nn.Module, diffusion,
+                micro_batches: list[tuple[torch.Tensor, torch.Tensor]], log_now: bool) -> _Step:
+    """One optimiser step through ``model`` (as accelerate prepared it): for each (x, y) of
+    ``micro_batches``, diffusion loss plus ``lb_coeff`` times the load-balance loss and its
+    backward (accelerate divides it by their number, so the gradient is the mean over all of
+    them, as one batch would give; gradients are all-reduced at the last only); then
+    clipping, AdamW, the LR schedule and the EMA."""
     acc = parts.accelerator
-    t = diffusion.sample_timesteps(x.shape[0], device=acc.device)
-    noise = torch.randn_like(x)
-    x_t = diffusion.q_sample(x, t, noise)
-    with acc.autocast():
-        out = model(x_t, t, y, output_load_balance_loss=True, output_head_usage=log_now and parts.model.is_moh)
-    terms = diffusion.training_losses(out.sample, x, x_t, t, noise)
-    loss = terms["loss"].mean() + cfg.lb_coeff * out.load_balance_loss
-    acc.backward(loss)
+    sums = torch.zeros(4, device=acc.device)  # loss, mse, vb, lb: means over the micro-batches
+    for i, (x, y) in enumerate(micro_batches):
+        with acc.accumulate(model):
+            t = diffusion.sample_timesteps(x.shape[0], device=acc.device)
+            noise = torch.randn_like(x)
+            x_t = diffusion.q_sample(x, t, noise)
+            head_usage = log_now and parts.model.is_moh and i == len(micro_batches) - 1
+            with acc.autocast():
+                out = model(x_t, t, y, output_load_balance_loss=True, output_head_usage=head_usage)
+            terms = diffusion.training_losses(out.sample, x, x_t, t, noise)
+            loss = terms["loss"].mean() + cfg.lb_coeff * out.load_balance_loss
+            acc.backward(loss)
+        sums += torch.stack([loss.detach(), terms["mse"].mean().detach(), terms["vb"].mean().detach(),
+                             out.load_balance_loss.detach()]).float()
     if parts.state.step < cfg.router_warmup_steps:
         # Router warm-up: the other parameters get no gradient, so AdamW skips them entirely
         # (no moment, no step count, no weight decay); their first update comes after it.
@@ -363,11 +408,12 @@ def _train_step(cfg: TrainConfig, parts: Parts, model: torch.nn.Module, diffusio
     parts.optimizer.step()
     parts.lr_scheduler.step()
     parts.optimizer.zero_grad(set_to_none=True)
-    update_ema(parts.ema, parts.model, cfg.ema_decay)
+    update_ema(parts.ema, parts.model, ema_decay_at(parts.state.step + 1, cfg.ema_decay, cfg.ema_warmup,
+                                                     cfg.ema_inv_gamma, cfg.ema_power))
     parts.state.step += 1
     parts.state.images_seen += cfg.global_batch_size
-    return _Step(loss.detach(), terms["mse"].mean().detach(), terms["vb"].mean().detach(),
-                 out.load_balance_loss.detach(), grad_norm, out.head_usage)
+    loss, mse, vb, lb = (sums / len(micro_batches)).unbind()
+    return _Step(loss, mse, vb, lb, grad_norm, out.head_usage)
 
 
 def _stop_if_diverged(accelerator, watch: _DivergenceWatch, last_checkpoint: str | Path | None) -> None:
@@ -462,13 +508,15 @@ class _TrainLog:
 
 
 def _save_sample_grid(cfg: TrainConfig, parts: Parts, diffusion, space: LatentSpace, num_classes: int) -> None:
-    """``OUT/samples/step-N.png``: an EMA sample grid, four rows of up to 16 classes."""
-    from torchvision.utils import save_image
+    """``OUT/samples/step-N.png``: an EMA sample grid, four rows of the same up to 16 classes
+    and seeds at every sample step; also to the trackers that take images (``samples``)."""
+    from torchvision.utils import make_grid, save_image
 
     images = sample_grid(parts.ema, diffusion, num_classes, space.shape, space.vae, steps=cfg.sample_steps,
                          per_class=4, seed=cfg.seed, device=parts.accelerator.device)
     with atomic_write(Path(cfg.output_dir) / "samples" / f"step-{parts.state.step:07d}.png") as f:
         save_image(images, f, nrow=min(num_classes, 16), format="png")
+    log_images(parts.accelerator, "samples", make_grid(images, nrow=min(num_classes, 16))[None], parts.state.step)
 
 
 @torch.no_grad()
@@ -523,7 +571,7 @@ def _export_final(cfg: TrainConfig, parts: Parts, class_to_idx: dict[str, int]) 
     """``OUT/final``: the EMA model and its class map, published whole by the main process."""
     accelerator = parts.accelerator
     if parts.state.images_skipped:
-        accelerator.print(f"Skipped {parts.state.images_skipped} unreadable images (--on-corrupt skip).")
+        _say(accelerator, f"Skipped {parts.state.images_skipped} unreadable images (--on-corrupt skip).")
     final = Path(cfg.output_dir) / "final"
     if accelerator.is_main_process:
         # Replaces only this run's previous export: a refused start protects any other.
