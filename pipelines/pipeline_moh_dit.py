@@ -9,8 +9,10 @@ Follows diffusers' ``DiTPipeline`` (one ``__call__``, ``randn_tensor`` with gene
   :mod:`moh_dit.pipelines.labels`);
 * classifier-free guidance on all eps channels (diffusers) or on the first three (the
   original DiT sampler), the variance channels always taken from the conditional half;
-* learned-sigma models run with DDPM ``learned_range`` (the paper's 250-step sampler) or
-  with DDIM / DPM-Solver on the eps half (:mod:`moh_dit.diffusion.schedulers`);
+* any eps-prediction diffusers scheduler, swapped the diffusers way
+  (``pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)``): DDPM's step gets the
+  learned-range variance channels (the paper's 250-step sampler), every other one the eps half
+  (:func:`moh_dit.diffusion.schedulers.scheduler_takes_variance`);
 * ``head_activation_ratio`` per call (restored afterwards) and, on request, the run's head usage;
 * ``seeds``: one seed per image for the initial noise *and* every DDPM step's noise, so
   image ``i`` does not depend on the batch it was drawn in;
@@ -28,11 +30,12 @@ import inspect
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import PIL.Image
 import torch
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.models import AutoencoderKL
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
@@ -40,11 +43,12 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
-# SCHEDULERS, make_scheduler, imagenet_id2label and NonFiniteLatentsError are also imported from
-# here by scripts and user code; they are defined in the modules they belong to.
-from moh_dit.diffusion.schedulers import SCHEDULERS, make_scheduler, uses_learned_variance
-from moh_dit.hub.export_format import load_export_components, read_export_index
+# make_scheduler, imagenet_id2label and NonFiniteLatentsError are also imported from here by scripts
+# and user code; they are defined in the modules they belong to.
+from moh_dit.diffusion.schedulers import eps_only_config, make_scheduler, scheduler_takes_variance
+from moh_dit.hub.export_format import load_export_components, read_export_index, write_loader_file
 from moh_dit.models.head_activation import head_activation
+from moh_dit.models.transformer_moh_dit import MoHDiTTransformer2DModel
 from .finite_watch import FiniteWatch, NonFiniteLatentsError
 from .labels import LabelIndex, imagenet_id2label, resolve_id2label
 
@@ -100,9 +104,11 @@ class _SamplingRun:
     guided: bool
     guidance_scale: float
     num_guided: int  # eps channels that guidance acts on
-    use_variance: bool  # the scheduler consumes the variance channels (DDPM learned range)
+    use_variance: bool  # the scheduler's step takes the variance channels (DDPM learned range)
     output_head_usage: bool  # the model computes its routing statistics only when asked
     step_kwargs: dict[str, Any]
+    callback: Callable[..., dict[str, Any]] | None  # diffusers' callback_on_step_end
+    callback_inputs: Sequence[str]
 
 
 class MoHDiTPipeline(DiffusionPipeline):
@@ -131,18 +137,22 @@ class MoHDiTPipeline(DiffusionPipeline):
     ...            head_activation_ratio=0.8, seeds=[0, 1, 2])
     >>> out.images[0].save("golden_retriever.png")
     >>> out.head_activation_ratio, [u.mean().item() for u in out.head_usage][:3]
+    >>> from diffusers import DPMSolverMultistepScheduler  # any eps-prediction scheduler, swapped the diffusers way
+    >>> pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
+    >>> images = pipe(["tench"], num_inference_steps=25, seeds=[0]).images
     >>> pipe.save_pretrained("moh-dit-xl-2-90-pipeline")  # transformer, VAE, scheduler, id2label
     ```
     """
 
     model_cpu_offload_seq = "transformer->vae"
     _optional_components = ["vae"]
+    _callback_tensor_inputs = ["latents"]
 
     def __init__(
         self,
-        # diffusers' base class, not MoHDiTTransformer2DModel: in an exported folder the transformer comes
-        # from its own module file (a class object of its own), which diffusers checks against this annotation.
-        transformer: ModelMixin,
+        # ModelMixin too: in an exported folder the transformer comes from its own module file (a class
+        # object of its own), which diffusers checks against this annotation; from_pipe needs the exact class.
+        transformer: MoHDiTTransformer2DModel | ModelMixin,
         scheduler: SchedulerMixin,
         vae: AutoencoderKL | None = None,
         id2label: dict[int, str] | dict[str, str] | None = None,  # diffusers' type check cannot read dict[int | str, str]
@@ -166,14 +176,14 @@ class MoHDiTPipeline(DiffusionPipeline):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs: Any) -> "MoHDiTPipeline":
-        """``DiffusionPipeline.from_pretrained``, which also loads exported folders without their code.
+        """``DiffusionPipeline.from_pretrained``, which also loads folders that name a module file.
 
-        A folder written by ``moh_dit.hub.export`` names module files that travel with it in its
-        ``model_index.json``, so that ``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)``
-        loads it without moh-dit. Called on this class, such a local folder is loaded with this
-        module's own classes instead (no ``trust_remote_code``, same weights). It takes
-        ``torch_dtype`` (or ``dtype``), ``variant`` and ready ``transformer`` / ``scheduler`` /
-        ``vae`` / ``id2label``; other arguments raise TypeError.
+        Folders written by :meth:`save_pretrained` or by ``moh_dit.hub.export`` name the pipeline's
+        module file in their ``model_index.json``, so that ``DiffusionPipeline.from_pretrained(folder,
+        trust_remote_code=True)`` loads them. Called on this class, such a local folder is loaded with
+        this module's own classes instead (no ``trust_remote_code``, none of the folder's code run,
+        same weights). It takes ``torch_dtype`` (or ``dtype``), ``variant`` and ready ``transformer`` /
+        ``scheduler`` / ``vae`` / ``id2label``; other arguments raise TypeError.
         """
         index = read_export_index(pretrained_model_name_or_path)
         if index is None:
@@ -181,6 +191,13 @@ class MoHDiTPipeline(DiffusionPipeline):
         pipe = cls(**load_export_components(pretrained_model_name_or_path, index, kwargs))
         pipe.register_to_config(_name_or_path=str(pretrained_model_name_or_path))
         return pipe
+
+    def save_pretrained(self, save_directory, *args: Any, **kwargs: Any) -> None:
+        """``DiffusionPipeline.save_pretrained``, plus a module file that lets
+        ``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)`` find this class in the
+        installed moh-dit (diffusers looks a plain class name up in ``diffusers`` itself)."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        write_loader_file(save_directory, type(self).__name__)
 
     # ------------------------------------------------------------------ labels
     @property
@@ -216,6 +233,7 @@ class MoHDiTPipeline(DiffusionPipeline):
         timesteps: Sequence[int] | None = None,
         eta: float = 0.0,
         output_type: str = "pil",
+        callback_on_step_end_tensor_inputs: Sequence[str] | None = None,
     ) -> None:
         """Validate a ``__call__``'s arguments against this pipeline's model and scheduler
         (diffusers' ``check_inputs`` convention); raises ValueError naming the bad value.
@@ -237,6 +255,9 @@ class MoHDiTPipeline(DiffusionPipeline):
             raise ValueError(f"guidance_channels={guidance_channels!r}; choose one of {GUIDANCE_CHANNELS}.")
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type={output_type!r}; choose one of {OUTPUT_TYPES}.")
+        unknown = [k for k in callback_on_step_end_tensor_inputs or () if k not in self._callback_tensor_inputs]
+        if unknown:
+            raise ValueError(f"callback_on_step_end_tensor_inputs has {unknown}; choose from {self._callback_tensor_inputs}.")
         self._check_steps(num_inference_steps, timesteps)
         eta_value = _real(eta)
         # DDIM's sigma grows with eta; past 1 the direction term's square root goes negative.
@@ -252,7 +273,7 @@ class MoHDiTPipeline(DiffusionPipeline):
             # One host sync before the loop, not per step.
             if not bool(torch.isfinite(latents).all()):
                 raise ValueError("latents hold NaN or inf; pass finite initial noise.")
-        self._uses_learned_variance()  # scheduler / model mismatches
+        self._takes_variance()  # a scheduler that cannot sample this model
         if head_activation_ratio is not None:
             ratio = _real(head_activation_ratio)
             low, high = self.transformer.head_activation_range
@@ -318,7 +339,7 @@ class MoHDiTPipeline(DiffusionPipeline):
         self,
         class_labels: int | str | Sequence[int | str] | torch.Tensor,
         guidance_scale: float = 4.0,
-        num_inference_steps: int = 250,
+        num_inference_steps: int = 50,
         head_activation_ratio: float | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
         seeds: Sequence[int] | None = None,
@@ -329,6 +350,8 @@ class MoHDiTPipeline(DiffusionPipeline):
         output_type: str = "pil",
         return_dict: bool = True,
         output_head_usage: bool = True,
+        callback_on_step_end: Callable[..., dict[str, Any]] | PipelineCallback | MultiPipelineCallbacks | None = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
     ) -> MoHDiTPipelineOutput | tuple:
         r"""Generate one image per class label.
 
@@ -338,7 +361,8 @@ class MoHDiTPipeline(DiffusionPipeline):
             guidance_scale: classifier-free guidance scale; 1 disables guidance (and the
                 unconditional half of the batch). The default 4.0 is DiT's sample.py and
                 DiTPipeline's (for pictures); the papers' FID numbers use 1.5 or 1.
-            num_inference_steps: sampling steps (the paper: 250 DDPM steps).
+            num_inference_steps: sampling steps; 50 like diffusers' DiTPipeline (the paper's FID
+                numbers use 250 DDPM steps).
             head_activation_ratio: routed top-K for this call only (see
                 ``MoHDiTTransformer2DModel.set_head_activation_ratio``); None: the model's
                 current setting. Restored afterwards.
@@ -355,12 +379,18 @@ class MoHDiTPipeline(DiffusionPipeline):
                 ``space_timesteps`` for step counts where ``linspace`` differs.
             eta: DDIM's eta (ignored by other schedulers).
             output_type: ``"pil"``, ``"np"``, ``"pt"`` (images in [0, 1]) or ``"latent"``.
-            return_dict: return a ``MoHDiTPipelineOutput``; else ``(images, ratio, head_usage)``.
+            return_dict: return a ``MoHDiTPipelineOutput``; else ``(images,)``, as every diffusers
+                pipeline does (the head usage and the realised ratio are on the output object only).
             output_head_usage: return the run's per-layer head usage (on by default, so that
                 ``out.head_usage`` is at hand when trying a model). Off, the transformer computes
                 no routing statistics at any step and ``head_usage`` is None; the images are
                 the same. Sampling at scale (``moh_dit.sampling.sample.generate_batch``) turns
                 it off.
+            callback_on_step_end: diffusers' step callback, called after each scheduler step as
+                ``callback(pipe, step_index, timestep, callback_kwargs)`` with the tensors named in
+                ``callback_on_step_end_tensor_inputs``; the ``"latents"`` of the dict it returns
+                replace the latents. A ``PipelineCallback`` brings its own ``tensor_inputs``.
+            callback_on_step_end_tensor_inputs: names from ``_callback_tensor_inputs``.
 
         Raises:
             ValueError: a bad argument (see :meth:`check_inputs`), before any compute.
@@ -369,21 +399,24 @@ class MoHDiTPipeline(DiffusionPipeline):
                 accelerators through a flag kept on the device and read once after the loop,
                 so that sampling makes no per-step host sync (see ``FiniteWatch``).
         """
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         self.check_inputs(
             class_labels, guidance_scale, num_inference_steps, head_activation_ratio=head_activation_ratio,
             generator=generator, seeds=seeds, latents=latents, guidance_channels=guidance_channels,
             timesteps=timesteps, eta=eta, output_type=output_type,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
         if seeds is not None:
             generator = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
         run = self._prepare_run(self.get_label_ids(class_labels), float(guidance_scale), guidance_channels, generator, eta,
-                                bool(output_head_usage))
-        x = self._initial_latents(len(run.ids), generator, latents)
+                                bool(output_head_usage), callback_on_step_end, callback_on_step_end_tensor_inputs)
         if timesteps is None:
             self.scheduler.set_timesteps(num_inference_steps)
         else:
             self.scheduler.set_timesteps(timesteps=[int(t) for t in timesteps])
-        with self._sampling_state(head_activation_ratio) as realised:
+        x = self._initial_latents(len(run.ids), generator, latents)
+        with self._sampling_state(head_activation_ratio, run.use_variance) as realised:
             x, head_usage, watch = self._denoise(run, x)
         error = watch.error(self.scheduler.timesteps, run.guidance_scale)
         if error is not None:
@@ -392,28 +425,28 @@ class MoHDiTPipeline(DiffusionPipeline):
         images = self._output_images(x, output_type)
         self.maybe_free_model_hooks()
         if not return_dict:
-            return images, realised, head_usage
+            return (images,)
         return MoHDiTPipelineOutput(images=images, head_activation_ratio=realised, head_usage=head_usage)
 
     # ------------------------------------------------------------------ the steps of a call
     @contextlib.contextmanager
-    def _sampling_state(self, ratio: float | None) -> Iterator[float]:
-        """Eval mode (no label dropout) and the requested routed top-K for one call; both
-        restored on exit, also on error."""
+    def _sampling_state(self, ratio: float | None, takes_variance: bool) -> Iterator[float]:
+        """Eval mode (no label dropout), the requested routed top-K and an eps-only scheduler
+        config for one call; all restored on exit, also on error."""
         model = self.transformer
         was_training = model.training
         try:
-            with head_activation(model, ratio) as realised:
+            with head_activation(model, ratio) as realised, eps_only_config(self.scheduler, takes_variance):
                 model.eval()
                 yield realised
         finally:
             model.train(was_training)
 
-    def _uses_learned_variance(self) -> bool:
-        """Whether the scheduler consumes the model's variance channels (DDPM learned range);
-        ValueError for a scheduler that does not fit the model."""
+    def _takes_variance(self) -> bool:
+        """Whether the scheduler's step takes the model's variance channels (DDPM learned range);
+        ValueError, naming the scheduler and what to use, for one that cannot sample this model."""
         learns_sigma = self.transformer.out_channels == 2 * self.transformer.config.in_channels
-        return uses_learned_variance(self.scheduler, learns_sigma)
+        return scheduler_takes_variance(self.scheduler, learns_sigma)
 
     def _step_kwargs(self, generator, eta: float) -> dict[str, Any]:
         params = set(inspect.signature(self.scheduler.step).parameters)
@@ -426,7 +459,7 @@ class MoHDiTPipeline(DiffusionPipeline):
 
     def _prepare_run(
         self, ids: list[int], guidance_scale: float, guidance_channels: str, generator, eta: float,
-        output_head_usage: bool,
+        output_head_usage: bool, callback, callback_inputs: Sequence[str],
     ) -> _SamplingRun:
         """What every denoising step of one call needs, fixed before the first."""
         guided = guidance_scale > 1.0
@@ -439,13 +472,17 @@ class MoHDiTPipeline(DiffusionPipeline):
             guided=guided,
             guidance_scale=guidance_scale,
             num_guided=channels if guidance_channels == "all" else min(3, channels),
-            use_variance=self._uses_learned_variance(),
+            use_variance=self._takes_variance(),
             output_head_usage=output_head_usage,
             step_kwargs=self._step_kwargs(generator, eta),
+            callback=callback,
+            callback_inputs=tuple(callback_inputs),
         )
 
     def _initial_latents(self, batch: int, generator, latents: torch.Tensor | None) -> torch.Tensor:
-        """(B, C, H, W) float32 initial noise on the execution device: ``latents`` or drawn.
+        """(B, C, H, W) float32 initial noise on the execution device: ``latents`` or drawn, times
+        the scheduler's ``init_noise_sigma`` (1 for DDPM / DDIM / DPM-Solver; the largest sigma
+        for Euler-type schedulers), as diffusers' pipelines prepare them.
 
         The state is kept in float32 whatever the model dtype: the sampler's arithmetic (and
         the noise draws, which must not depend on the compute dtype) stay exact."""
@@ -453,7 +490,7 @@ class MoHDiTPipeline(DiffusionPipeline):
         device = self._execution_device
         if latents is None:
             latents = randn_tensor((batch, channels, size, size), generator=generator, device=device, dtype=torch.float32)
-        return latents.to(device=device, dtype=torch.float32)
+        return latents.to(device=device, dtype=torch.float32) * self.scheduler.init_noise_sigma
 
     def _denoise(self, run: _SamplingRun, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor] | None, FiniteWatch]:
         """The denoising loop over the scheduler's timesteps: the final (B, C, H, W) latents,
@@ -464,6 +501,10 @@ class MoHDiTPipeline(DiffusionPipeline):
         watch = FiniteWatch(x.device, len(self.scheduler.timesteps))
         for index, t in enumerate(self.progress_bar(self.scheduler.timesteps)):
             x, used = self._denoise_step(run, x, t)
+            if run.callback is not None:
+                tensors = {"latents": x}  # the names of _callback_tensor_inputs
+                outputs = run.callback(self, index, t, {name: tensors[name] for name in run.callback_inputs})
+                x = outputs.pop("latents", x)
             if used is not None:
                 usage_sum = used if usage_sum is None else [s + u for s, u in zip(usage_sum, used)]
             calls += 1

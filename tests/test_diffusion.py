@@ -248,26 +248,103 @@ def test_constructors_validate():
 
 
 def test_make_scheduler_is_the_training_schedule_and_checks_the_variance_channels(diffusion):
-    """The pipeline's schedulers share the training betas; only DDPM learned_range reads the
-    variance channels, and every pairing that would misread them is refused with the fix."""
-    from diffusers import DPMSolverMultistepScheduler
+    """The pipeline's schedulers share the training betas; only DDPM's step reads the variance
+    channels (by class, not by a variance_type key carried over by from_config), and every pairing
+    that would misread them is refused with the fix."""
+    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
 
-    from moh_dit.diffusion.schedulers import SCHEDULERS, make_scheduler, uses_learned_variance
+    from moh_dit.diffusion.schedulers import SCHEDULERS, eps_only_config, make_scheduler, scheduler_takes_variance
 
     for kind in SCHEDULERS:
         np.testing.assert_allclose(make_scheduler(kind).betas.double().numpy(), diffusion.betas, rtol=1e-6)
     ddpm = make_scheduler("ddpm")
-    assert uses_learned_variance(ddpm, learns_sigma=True)
-    assert not uses_learned_variance(make_scheduler("ddim"), learns_sigma=True)
-    assert not uses_learned_variance(DDPMScheduler.from_config(ddpm.config, variance_type="fixed_small"), False)
+    assert scheduler_takes_variance(ddpm, learns_sigma=True)
+    assert not scheduler_takes_variance(make_scheduler("ddim"), learns_sigma=True)
+    assert not scheduler_takes_variance(DDIMScheduler.from_config(ddpm.config), learns_sigma=True)  # stale key
+    assert not scheduler_takes_variance(DDPMScheduler.from_config(ddpm.config, variance_type="fixed_small"), False)
     with pytest.raises(ValueError, match="log variance.*learned_range"):
-        uses_learned_variance(DDPMScheduler.from_config(ddpm.config, variance_type="learned"), True)
+        scheduler_takes_variance(DDPMScheduler.from_config(ddpm.config, variance_type="learned"), True)
     with pytest.raises(ValueError, match="does not learn sigma.*fixed_small"):
-        uses_learned_variance(ddpm, learns_sigma=False)
-    dpm = DPMSolverMultistepScheduler.from_config(make_scheduler("dpm").config, variance_type="learned_range")
-    with pytest.raises(ValueError, match="eps half already.*variance_type=None"):
-        uses_learned_variance(dpm, True)
+        scheduler_takes_variance(ddpm, learns_sigma=False)
+    dpm = DPMSolverMultistepScheduler.from_config(ddpm.config)
+    assert not scheduler_takes_variance(dpm, True) and dpm.config.variance_type == "learned_range"
+    with eps_only_config(dpm, takes_variance=False):
+        assert dpm.config.variance_type is None  # DPM-Solver would cut the eps to 3 channels
+    assert dpm.config.variance_type == "learned_range"
     with pytest.raises(ValueError, match="no x0 clipping"):
         make_scheduler("dpm", clip_sample=True)
     with pytest.raises(ValueError, match=r"Unknown scheduler kind 'euler'.*\('ddpm', 'ddim', 'dpm'\)"):
         make_scheduler("euler")
+
+
+def _dit_ddim_timesteps(count: int) -> list[int]:
+    """IDDPM's / DiT's "ddim{count}" respacing: the smallest integer stride giving exactly
+    ``count`` steps over 1000 (``space_timesteps``'s ddim branch), descending."""
+    stride = next(i for i in range(1, 1000) if len(range(0, 1000, i)) == count)
+    return list(range(0, 1000, stride))[::-1]
+
+
+def _toy_eps(x: torch.Tensor, t: int) -> torch.Tensor:
+    """A stand-in for the model: depends on x and t, cheap, deterministic."""
+    return torch.tanh(x * (1 + t / 1000)) + 0.1 * math.sin(t)
+
+
+def _ddim_reference(x: torch.Tensor, timesteps: list[int]) -> torch.Tensor:
+    """DDIM with eta 0 written from its formula (Song et al. 2021, Eq. 12):
+    x_{t_prev} = sqrt(a_prev) x0_pred + sqrt(1 - a_prev) eps, x0_pred = (x - sqrt(1 - a) eps) / sqrt(a),
+    a_prev of the next kept timestep and 1 after the last (IDDPM's alphas_cumprod_prev)."""
+    abar = np.cumprod(1 - np.linspace(1e-4, 0.02, 1000, dtype=np.float64))
+    x = x.double()
+    for i, t in enumerate(timesteps):
+        eps = _toy_eps(x, t)
+        a, a_prev = abar[t], abar[timesteps[i + 1]] if i + 1 < len(timesteps) else 1.0
+        x0 = (x - math.sqrt(1 - a) * eps) / math.sqrt(a)
+        x = math.sqrt(a_prev) * x0 + math.sqrt(1 - a_prev) * eps
+    return x
+
+
+@pytest.mark.parametrize("count", [50, 25, 7])
+def test_ddim_is_dits_ddim(count):
+    """make_scheduler("ddim") steps DiT's strided timesteps ("ddim50": 980, 960, ..., 0; "ddim25":
+    960, ..., 0; a linspace spacing would take 999, 979, ... and DDIM would then step each t to
+    t - T // n, off the list) and equals the independent DDIM above. At 7 steps IDDPM's rule takes
+    stride 143 but diffusers' DDIM can only step by 1000 // 7 = 142: the same sampler on that stride."""
+    from moh_dit.diffusion.schedulers import make_scheduler
+
+    scheduler = make_scheduler("ddim")
+    scheduler.set_timesteps(count)
+    timesteps = scheduler.timesteps.tolist()
+    expected = _dit_ddim_timesteps(count) if 1000 % count == 0 else list(range(0, 1000, 1000 // count))[:count][::-1]
+    assert timesteps == expected
+    if count == 7:
+        assert _dit_ddim_timesteps(7)[0] == 858 and timesteps[0] == 852
+    x = torch.randn((2, 3, 4, 4), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ours = x.clone()
+    for t in timesteps:
+        ours = scheduler.step(_toy_eps(ours, t), t, ours).prev_sample
+    torch.testing.assert_close(ours, _ddim_reference(x, timesteps), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["ddpm", "ddim", "dpm"])
+@pytest.mark.parametrize("count", [7, 30, 50, 250])
+def test_make_scheduler_steps_through_its_own_timesteps(kind, count):
+    """Each step of every make_scheduler sampler lands on the next timestep of its list: given the
+    exact eps of x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps, a deterministic step reaches x at the next
+    kept timestep (x0 after the last); DDPM's previous timestep is the next one in its list."""
+    from moh_dit.diffusion.schedulers import make_scheduler
+
+    scheduler = make_scheduler(kind)
+    scheduler.set_timesteps(count)
+    timesteps = scheduler.timesteps.tolist()
+    assert len(timesteps) == count and timesteps == sorted(set(timesteps), reverse=True)
+    if kind == "ddpm":
+        assert [int(scheduler.previous_timestep(t)) for t in timesteps] == timesteps[1:] + [-1]
+        return
+    abar = np.cumprod(1 - np.linspace(1e-4, 0.02, 1000, dtype=np.float64))
+    x0 = torch.randn((1, 3, 4, 4), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    eps = torch.randn((1, 3, 4, 4), generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    noisy = lambda t: math.sqrt(abar[t]) * x0 + math.sqrt(1 - abar[t]) * eps
+    for i, t in enumerate(timesteps):
+        prev = scheduler.step(eps, t, noisy(t)).prev_sample
+        target = noisy(timesteps[i + 1]) if i + 1 < count else x0
+        torch.testing.assert_close(prev, target, rtol=1e-5, atol=1e-5, msg=f"{kind}, step {i} from t={t}")

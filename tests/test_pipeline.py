@@ -1,11 +1,17 @@
-"""MoHDiTPipeline on tiny models: outputs, determinism, DiT's sampler, head activation,
-save/load (pixel space and with a VAE), labels, bad input, CPU offload."""
+"""MoHDiTPipeline on tiny models: outputs, determinism, DiT's samplers, head activation,
+save/load (pixel space and with a VAE), labels, bad input, CPU offload, and the diffusers
+conventions (schedulers swapped with from_config, step callbacks, from_pipe, DiffusionPipeline loading)."""
+
+import inspect
 
 import numpy as np
 import PIL.Image
 import pytest
 import torch
-from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
+from diffusers import (AutoencoderKL, DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler,
+                       EulerAncestralDiscreteScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler,
+                       HeunDiscreteScheduler, PNDMScheduler, UniPCMultistepScheduler)
+from diffusers.callbacks import PipelineCallback
 
 from moh_dit import MoHDiTPipeline, MoHDiTPipelineOutput, MoHDiTTransformer2DModel
 from moh_dit.diffusion.gaussian_diffusion import create_diffusion, space_timesteps
@@ -39,9 +45,9 @@ def test_output_types_and_shapes(tiny_pipe):
     assert isinstance(pil[0], PIL.Image.Image) and pil[0].size == (8, 8)
     pt = pipe([1], num_inference_steps=STEPS, seeds=[0], output_type="pt").images
     assert pt.shape == (1, 3, 8, 8)
-    latent, ratio, usage = pipe([1], num_inference_steps=STEPS, seeds=[0], output_type="latent", return_dict=False)
+    # return_dict=False: (images,) like every diffusers pipeline; head usage and ratio live on the output object.
+    (latent,) = pipe([1], num_inference_steps=STEPS, seeds=[0], output_type="latent", return_dict=False)
     torch.testing.assert_close(pt, (latent / 2 + 0.5).clamp(0, 1))
-    assert ratio == pytest.approx(0.75) and len(usage) == 6
 
 
 def test_generator_determinism(tiny_pipe):
@@ -175,8 +181,7 @@ def test_head_usage_only_when_asked(tiny_pipe):
     assert asked == [False] * STEPS
     assert without.head_usage is None and without.head_activation_ratio == with_usage.head_activation_ratio
     torch.testing.assert_close(without.images, with_usage.images, rtol=0, atol=0)
-    images, ratio, usage = pipe([1, 2], output_head_usage=False, return_dict=False, **kwargs)
-    assert usage is None and ratio == pytest.approx(0.5)
+    (images,) = pipe([1, 2], output_head_usage=False, return_dict=False, **kwargs)
     torch.testing.assert_close(images, with_usage.images, rtol=0, atol=0)
 
 
@@ -272,9 +277,9 @@ def test_other_schedulers_use_eps_half(tiny_pipe):
     lands on the x0 prediction ``(x - sqrt(1 - abar_t) eps) / sqrt(abar_t)``, abar from those betas."""
     pipe = tiny_pipe()
     abar = np.cumprod(1 - np.linspace(1e-4, 0.02, 1000, dtype=np.float64))
-    # "linspace" spacing of 3 steps over 0..999: round(linspace(0, 999, 3)) reversed for DDIM and
-    # DDPM; DPM-Solver takes round(linspace(0, 999, 4)) reversed without its last entry.
-    kept = {DDIMScheduler: [999, 500, 0], DPMSolverMultistepScheduler: [999, 666, 333], DDPMScheduler: [999, 500, 0]}
+    # DDPM: "linspace" spacing of 3 steps over 0..999, round(linspace(0, 999, 3)) reversed; DPM-Solver
+    # takes round(linspace(0, 999, 4)) reversed without its last entry; DDIM strides by 1000 // 3.
+    kept = {DDIMScheduler: [666, 333, 0], DPMSolverMultistepScheduler: [999, 666, 333], DDPMScheduler: [999, 500, 0]}
     for scheduler in (make_scheduler("ddim"), make_scheduler("dpm"),
                       DDPMScheduler.from_config(make_scheduler("ddpm").config, variance_type="fixed_small")):
         pipe.scheduler = scheduler
@@ -429,9 +434,8 @@ def test_scheduler_model_mismatch_rejected(randomize):
     pipe = MoHDiTPipeline(transformer=fixed, scheduler=make_scheduler("ddpm"))
     with pytest.raises(ValueError, match="does not learn sigma"):
         pipe([1], num_inference_steps=2)
-    pipe.scheduler = DPMSolverMultistepScheduler.from_config(make_scheduler("dpm").config, variance_type="learned_range")
-    with pytest.raises(ValueError, match="variance_type=None"):
-        pipe([1], num_inference_steps=2)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)  # eps only: fine without variance channels
+    assert pipe([1], num_inference_steps=2, seeds=[0], output_type="latent").images.shape == (1, 3, 8, 8)
 
 
 def test_constructor_checks(randomize, tiny_pipe):
@@ -441,3 +445,146 @@ def test_constructor_checks(randomize, tiny_pipe):
     with pytest.raises(ValueError, match="id 10, outside"):
         tiny_pipe().__class__(transformer=tiny_pipe().transformer, scheduler=make_scheduler(),
                                        id2label={10: "x"})
+
+
+# ---------------------------------------------------------------- diffusers conventions
+
+SWAPPED = [
+    (DDPMScheduler, {}),
+    (DDIMScheduler, {}),
+    (DPMSolverMultistepScheduler, {}),  # DPM-Solver++ (the DDPM config's algorithm_type default)
+    # Plain DPM-Solver (deprecated in diffusers) cannot end on sigma 0.
+    (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver", "final_sigmas_type": "sigma_min"}),
+    (EulerDiscreteScheduler, {}),
+    (EulerAncestralDiscreteScheduler, {}),
+    (HeunDiscreteScheduler, {}),
+    (UniPCMultistepScheduler, {}),
+    (PNDMScheduler, {}),
+]
+
+
+@pytest.mark.filterwarnings("ignore:.*algorithm_type dpmsolver is deprecated:FutureWarning")
+@pytest.mark.parametrize("scheduler_cls, overrides", SWAPPED, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_any_scheduler_swapped_the_diffusers_way(scheduler_cls, overrides, tiny_pipe, tiny_vae):
+    """``X.from_config(pipe.scheduler.config)`` samples: DDPM's step gets the learned-range variance
+    channels, every other scheduler the whole eps half, whatever variance_type the DDPM config
+    carried over (DPM-Solver would otherwise cut a 4-channel latent eps to 3 channels)."""
+    pipe = tiny_pipe(seed=2, in_channels=4, vae=tiny_vae(seed=5, std=0.1))
+    pipe.scheduler = scheduler_cls.from_config(pipe.scheduler.config, **overrides)
+    assert pipe.scheduler.config.variance_type == "learned_range"  # the stale key is there
+    seen = record_steps(pipe.scheduler)
+    steps = 4 if scheduler_cls is PNDMScheduler else 3  # PNDM's Runge-Kutta warm-up needs 4 steps
+    out = pipe([1, 9], guidance_scale=1.0, num_inference_steps=steps, seeds=[0, 1], output_type="np")
+    assert out.images.shape == (2, 16, 16, 3) and np.isfinite(out.images).all()
+    assert {eps.shape[1] for eps, _, _, _ in seen} == {8 if scheduler_cls is DDPMScheduler else 4}
+    assert pipe.scheduler.config.variance_type == "learned_range"  # given back after the call
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda config: FlowMatchEulerDiscreteScheduler.from_config(config),
+         r"FlowMatchEulerDiscreteScheduler is not a DDPM-family scheduler .* use DDPMScheduler, DDIMScheduler"),
+        (lambda config: DDIMScheduler.from_config(config, prediction_type="v_prediction"),
+         r"DDIMScheduler has prediction_type='v_prediction'.*prediction_type='epsilon'"),
+        (lambda config: DDPMScheduler.from_config(config, prediction_type="sample"),
+         r"DDPMScheduler has prediction_type='sample'"),
+        (lambda config: DDPMScheduler.from_config(config, variance_type="learned"),
+         r"variance_type='learned_range'"),
+    ],
+)
+def test_scheduler_that_cannot_serve_the_model_is_refused(make, message, tiny_pipe):
+    pipe = tiny_pipe()
+    pipe.scheduler = make(pipe.scheduler.config)
+    calls = count_forward(pipe.transformer)
+    with pytest.raises(ValueError, match=message):
+        pipe([1], num_inference_steps=2, seeds=[0])
+    assert not calls
+
+
+def test_default_steps_and_guidance_are_dit_pipelines():
+    from diffusers import DiTPipeline
+
+    ours, theirs = (inspect.signature(c.__call__).parameters for c in (MoHDiTPipeline, DiTPipeline))
+    for name in ("num_inference_steps", "guidance_scale", "output_type", "return_dict"):
+        assert ours[name].default == theirs[name].default, name
+
+
+def test_callback_on_step_end(tiny_pipe):
+    """diffusers' semantics: called after each step with (pipe, step_index, timestep, kwargs); the
+    returned ``latents`` replace the latents; names outside ``_callback_tensor_inputs`` are refused."""
+    pipe = tiny_pipe()
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="latent")
+    seen = record_steps(pipe.scheduler)
+    calls = []
+
+    def callback(p, step_index, timestep, callback_kwargs):
+        calls.append((p, step_index, int(timestep), callback_kwargs["latents"].clone()))
+        return {"latents": callback_kwargs["latents"] * 0 if step_index == STEPS - 1 else callback_kwargs["latents"]}
+
+    out = pipe([1, 2], callback_on_step_end=callback, **kwargs)
+    assert [(p, i, t) for p, i, t, _ in calls] == [(pipe, i, t) for i, (_, t, _, _) in enumerate(seen)]
+    for (_, _, _, latents), (_, _, _, prev) in zip(calls, seen):
+        torch.testing.assert_close(latents, prev, rtol=0, atol=0)  # after the step
+    assert (out.images == 0).all()  # the last replacement is the output
+
+    class Zero(PipelineCallback):
+        tensor_inputs = ["latents"]
+
+        def callback_fn(self, pipeline, step_index, timestep, callback_kwargs):
+            return {"latents": torch.zeros_like(callback_kwargs["latents"])}
+
+    assert (pipe([1, 2], callback_on_step_end=Zero(), **kwargs).images == 0).all()
+    forward = count_forward(pipe.transformer)
+    with pytest.raises(ValueError, match=r"callback_on_step_end_tensor_inputs has \['noise'\]; choose from \['latents'\]"):
+        pipe([1, 2], callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents", "noise"], **kwargs)
+    assert not forward
+
+
+def test_from_pipe(tiny_pipe):
+    pipe = tiny_pipe(class_names=NAMES)
+    other = MoHDiTPipeline.from_pipe(pipe)
+    assert other.transformer is pipe.transformer and other.scheduler is pipe.scheduler
+    assert other.id2label == pipe.id2label
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=2, seeds=[0], output_type="latent")
+    torch.testing.assert_close(other(["cat"], **kwargs).images, pipe(["cat"], **kwargs).images, rtol=0, atol=0)
+
+
+def test_save_pretrained_loads_with_diffusion_pipeline(tmp_path, tiny_pipe, monkeypatch):
+    """``DiffusionPipeline.from_pretrained`` of a ``save_pretrained`` folder: refused with diffusers'
+    "pass trust_remote_code=True" line, then the same pipeline class and images with it; the folder's
+    module file only imports the installed package."""
+    import diffusers.utils.dynamic_modules_utils as dynamic
+    from diffusers import DiffusionPipeline
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))  # diffusers copies the file there
+    pipe = tiny_pipe(class_names=NAMES)
+    pipe.save_pretrained(tmp_path / "saved")
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=2, seeds=[0, 1], output_type="latent")
+    with pytest.raises(ValueError, match=r"Pass `trust_remote_code=True`"):
+        DiffusionPipeline.from_pretrained(tmp_path / "saved")
+    loaded = DiffusionPipeline.from_pretrained(tmp_path / "saved", trust_remote_code=True)
+    assert type(loaded) is MoHDiTPipeline and loaded.id2label == pipe.id2label
+    torch.testing.assert_close(loaded(["cat", 3], **kwargs).images, pipe(["cat", 3], **kwargs).images, rtol=0, atol=0)
+    again = MoHDiTPipeline.from_pretrained(tmp_path / "saved")  # no trust_remote_code: the folder's file is not run
+    torch.testing.assert_close(again(["cat", 3], **kwargs).images, pipe(["cat", 3], **kwargs).images, rtol=0, atol=0)
+
+
+def test_ddim_is_dit_ddim(tiny_pipe):
+    """make_scheduler("ddim") through the pipeline equals DDIM (eta 0) written from its formula,
+    x_prev = sqrt(a_prev) x0_pred + sqrt(1 - a_prev) eps, on DiT's strided timesteps ("ddim10":
+    0, 100, ..., 900; a linspace spacing would take 999, 888, ...)."""
+    pipe = tiny_pipe()
+    pipe.scheduler = make_scheduler("ddim")
+    model, steps = pipe.transformer, 10
+    abar = torch.from_numpy(np.cumprod(1 - np.linspace(1e-4, 0.02, 1000)))
+    x = torch.randn((1, 3, 8, 8), generator=torch.Generator().manual_seed(4)).double()
+    timesteps = list(range(0, 1000, 100))[::-1]
+    with torch.no_grad():
+        for i, t in enumerate(timesteps):
+            eps = model(x.float(), torch.tensor([t]), torch.tensor([3])).sample[:, :3].double()
+            a, a_prev = abar[t], abar[timesteps[i + 1]] if i + 1 < steps else torch.tensor(1.0, dtype=torch.float64)
+            x0 = (x - (1 - a).sqrt() * eps) / a.sqrt()
+            x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps
+    ours = pipe([3], guidance_scale=1.0, num_inference_steps=steps, seeds=[4], output_type="latent").images
+    torch.testing.assert_close(ours.double(), x, rtol=1e-4, atol=1e-4)

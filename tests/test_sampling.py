@@ -217,6 +217,52 @@ def test_script_pipeline_folder_and_dry_run(tmp_path, capsys, load_script, sampl
     assert not (tmp_path / "out").exists()
 
 
+def test_load_pipeline_gives_from_pretrained_images(tmp_path, capsys, sampling_pipe):
+    """One way to load gives one result: load_pipeline keeps the saved scheduler (it used to put
+    a clipping DDPM in its place), and says so when it is told to replace it."""
+    from moh_dit.sampling.sample import load_pipeline
+    from moh_dit.utils.logging import verbosity
+
+    pipe = sampling_pipe(dtype=torch.float32, clip_sample=False)
+    pipe.save_pretrained(tmp_path / "pipe")
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=2, seeds=[0, 1], output_type="np")
+    ours = load_pipeline(tmp_path / "pipe")
+    assert ours.scheduler.config == MoHDiTPipeline.from_pretrained(tmp_path / "pipe").scheduler.config
+    np.testing.assert_array_equal(ours([1, 2], **kwargs).images,
+                                  MoHDiTPipeline.from_pretrained(tmp_path / "pipe")([1, 2], **kwargs).images)
+    capsys.readouterr()
+    with verbosity("info"):
+        ddim = load_pipeline(tmp_path / "pipe", scheduler="ddim")
+    assert type(ddim.scheduler).__name__ == "DDIMScheduler"
+    assert "scheduler: make_scheduler('ddim', clip_sample=True) instead of the saved DDPMScheduler" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="clip_sample applies to a scheduler built here"):
+        load_pipeline(tmp_path / "pipe", clip_sample=True)
+
+
+def test_script_says_and_records_its_sampler(tmp_path, capsys, load_script, sampling_pipe):
+    """The command's scheduler and guidance, where they are not what pipe() would use on the same
+    folder, are in its output and in sample_config.json."""
+    from moh_dit.utils.logging import verbosity
+
+    script = load_script("sample")
+    sampling_pipe(dtype=torch.float32).save_pretrained(tmp_path / "pipe")
+    base = ["--model", str(tmp_path / "pipe"), "--num-samples", "1", "--num-inference-steps", "1", "--no-npz"]
+    with verbosity("info"):
+        assert script.main(script.parse_args(base + ["--output", str(tmp_path / "kept")])) == 0
+        out = capsys.readouterr().out
+        assert "scheduler: the pipeline folder's own DDPMScheduler; guidance_scale 1.5 on 'dit' eps channels (pipe() " \
+               "defaults to 4.0 on 'all'" in out
+        assert script.main(script.parse_args(base + ["--output", str(tmp_path / "ddim"), "--scheduler", "ddim"])) == 0
+    assert "scheduler: make_scheduler('ddim', clip_sample=True) instead of the saved DDPMScheduler" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="without --scheduler the pipeline folder's own scheduler keeps its clipping"):
+        script.main(script.parse_args(base + ["--output", str(tmp_path / "clip"), "--clip-sample", "yes"]))
+    assert not (tmp_path / "clip").exists()
+    for folder, scheduler in (("kept", "the pipeline folder's own DDPMScheduler"),
+                              ("ddim", "DDIMScheduler from make_scheduler('ddim') (not a saved scheduler)")):
+        run = json.loads((tmp_path / folder / SETTINGS_FILE).read_text())["run"]
+        assert run["sampler"]["scheduler"] == scheduler and "pipe() defaults to 4.0" in run["sampler"]["guidance"]
+
+
 # --------------------------------------------------------------------------------------
 # scripts/sample.py refuses bad flags before writing anything
 # --------------------------------------------------------------------------------------

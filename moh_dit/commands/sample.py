@@ -15,14 +15,17 @@ device (CPU included).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import sys
 import time
+from pathlib import Path
 
 from accelerate import Accelerator
 
 from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.utils.logging import get_logger
 from moh_dit.diffusion.schedulers import SCHEDULERS
 from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS
 from moh_dit.utils.speed import COMPILE_MODES, compile_model
@@ -43,6 +46,8 @@ from moh_dit.sampling.sample import (
     write_adm_npz,
 )
 
+logger = get_logger(__name__)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,11 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="'dit': guide the first 3 eps channels like DiT's sampler, which the paper's numbers "
                              "used (default); 'all': every eps channel, like diffusers' DiTPipeline")
     parser.add_argument("--num-inference-steps", type=int, default=250)
-    parser.add_argument("--scheduler", choices=SCHEDULERS + ("saved",), default="ddpm",
-                        help="ddpm: the paper's learned-variance DDPM (default); ddim; dpm (DPM-Solver++); "
-                             "saved: a pipeline folder's own scheduler")
+    parser.add_argument("--scheduler", choices=SCHEDULERS + ("saved",), default=None,
+                        help="default: a pipeline folder's own scheduler (the images MoHDiTPipeline.from_pretrained "
+                             "gives), the paper's learned-variance DDPM for a transformer folder; ddpm, ddim or dpm "
+                             "(DPM-Solver++) replace it (said in the output and in sample_config.json)")
     parser.add_argument("--clip-sample", choices=["auto", "yes", "no"], default="auto",
-                        help="clamp predicted x0 to [-1, 1]; auto: yes for pixel-space models, no for latent ones")
+                        help="with a scheduler built here: clamp predicted x0 to [-1, 1]; auto: yes for pixel-space "
+                             "models, no for latent ones")
     parser.add_argument("--head-activation-ratio", type=float, default=None,
                         help="head-weighted activation ratio for sampling (default: the trained one)")
     parser.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
@@ -99,6 +106,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.scheduler == "saved" and args.clip_sample != "auto":
         raise ValueError("--clip-sample applies to a scheduler built here; --scheduler saved keeps the saved "
                          "scheduler's own clipping. Leave --clip-sample out, or pick --scheduler ddpm|ddim.")
+    if args.scheduler is None and args.clip_sample != "auto" and (Path(args.model) / "model_index.json").is_file():
+        raise ValueError("--clip-sample applies to a scheduler built here; without --scheduler the pipeline folder's "
+                         "own scheduler keeps its clipping. Leave --clip-sample out, or pick --scheduler ddpm|ddim.")
     if args.compile_mode is not None and not args.compile:
         raise ValueError("--compile-mode sets how --compile compiles; add --compile or drop it.")
     check_model_flags(args.model, args.vae)
@@ -120,6 +130,23 @@ def check_model_args(args: argparse.Namespace, pipe, settings: SampleSettings) -
     check_settings(pipe, settings)
 
 
+def sampler_record(args: argparse.Namespace, pipe) -> dict[str, str]:
+    """How this run's sampler differs from ``pipe(...)`` on the loaded pipeline with its defaults:
+    the scheduler (kept or built here) and the guidance, each as one sentence for the log and
+    for ``sample_config.json``."""
+    name = type(pipe.scheduler).__name__
+    if args.scheduler in (None, "saved") and (Path(args.model) / "model_index.json").is_file():
+        scheduler = f"the pipeline folder's own {name}"
+    else:
+        scheduler = f"{name} from make_scheduler({args.scheduler or 'ddpm'!r}) (not a saved scheduler)"
+    defaults = inspect.signature(type(pipe).__call__).parameters
+    scale, channels = defaults["guidance_scale"].default, defaults["guidance_channels"].default
+    guidance = f"guidance_scale {args.guidance_scale} on {args.guidance_channels!r} eps channels"
+    if (args.guidance_scale, args.guidance_channels) != (scale, channels):
+        guidance += f" (pipe() defaults to {scale} on {channels!r}; --guidance-scale / --guidance-channels)"
+    return {"scheduler": scheduler, "guidance": guidance}
+
+
 def main(args: argparse.Namespace) -> int:
     check_args(args)
     settings = SampleSettings(
@@ -133,8 +160,10 @@ def main(args: argparse.Namespace) -> int:
     check_model_args(args, pipe, settings)  # everything is checked before anything is written
     realised, top_k = preview_head_activation(pipe.transformer, args.head_activation_ratio)
     identity = run_identity(pipe, settings, args.model)
+    sampler = sampler_record(args, pipe)
     run_info = {
         "args": vars(args),
+        "sampler": sampler,
         "num_samples": settings.num_samples,
         "num_processes": accelerator.num_processes,
         "per_device_batch_size": args.per_device_batch_size,
@@ -149,7 +178,8 @@ def main(args: argparse.Namespace) -> int:
     if accelerator.is_main_process:
         note = check_or_write_settings(args.output, identity, run_info)
         if note:
-            print(f"note: {note}")
+            logger.info(f"note: {note}")
+        logger.info(f"scheduler: {sampler['scheduler']}; {sampler['guidance']}.")
     accelerator.wait_for_everyone()
 
     pipe.to(accelerator.device)
@@ -164,15 +194,15 @@ def main(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        print(f"{made} images generated by rank 0 this run (head activation {realised:.4f}).")
+        logger.info(f"{made} images generated by rank 0 this run (head activation {realised:.4f}).")
         if made:
-            print(f"Speed: {made / elapsed:.3g} images/s on rank 0 ({elapsed:.1f} s, "
+            logger.info(f"Speed: {made / elapsed:.3g} images/s on rank 0 ({elapsed:.1f} s, "
                   f"{'compiled' if args.compile else 'eager'} transformer, {args.dtype}).")
         if not args.no_npz:
             labels = class_labels_for(range(settings.num_samples), pipe.transformer.config.num_classes,
                                       settings.class_labels, settings.seed)
             path = write_adm_npz(args.output, settings.num_samples, labels=labels)
-            print(f"Wrote {path} ({settings.num_samples} images in arr_0, their class labels in arr_1).")
+            logger.info(f"Wrote {path} ({settings.num_samples} images in arr_0, their class labels in arr_1).")
     return 0
 
 

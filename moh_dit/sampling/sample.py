@@ -46,6 +46,9 @@ from ..utils.output_folders import check_folder_path
 from ..diffusion.schedulers import SCHEDULERS, make_scheduler
 from ..pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SEED_RANGE, MoHDiTPipeline
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 __all__ = [
     "CLASS_LABEL_MODES",
@@ -232,7 +235,7 @@ def write_adm_npz(output: str | os.PathLike, num_samples: int, path: str | os.Pa
 def load_pipeline(
     model: str | os.PathLike,
     vae: str | None = None,
-    scheduler: str = "ddpm",
+    scheduler: str | None = None,
     clip_sample: bool | None = None,
     dtype: str | torch.dtype = "float32",
 ) -> MoHDiTPipeline:
@@ -240,23 +243,29 @@ def load_pipeline(
 
     ``vae``: a path or Hub id of an ``AutoencoderKL``, ``"none"`` for a pixel-space model, or
     None (a pipeline folder keeps its own; a transformer folder must be pixel-space).
-    ``scheduler``: ``"ddpm"`` / ``"ddim"`` / ``"dpm"`` (:func:`make_scheduler`) or ``"saved"``
-    (a pipeline folder's own). ``clip_sample`` None: on for pixel-space models (IDDPM clips
-    predicted images to [-1, 1]), off for latent ones (DiT's sampler does not clip) and for
-    DPM-Solver (which has no clipping).
+    ``scheduler``: None (or ``"saved"``) keeps a pipeline folder's own scheduler, so that this
+    gives the same images as ``MoHDiTPipeline.from_pretrained(model)``; a transformer folder, which
+    has none, gets the paper's DDPM. ``"ddpm"`` / ``"ddim"`` / ``"dpm"`` replace it with
+    :func:`make_scheduler`'s (logged at info level). ``clip_sample`` applies to a scheduler built
+    here; None: on for pixel-space models (IDDPM clips predicted images to [-1, 1]), off for latent
+    ones (DiT's sampler does not clip) and for DPM-Solver (which has no clipping).
     ``dtype`` applies to the transformer; the VAE stays in float32.
     """
     model = Path(model)
     if isinstance(dtype, str) and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; choose one of {list(DTYPES)}.")
-    if scheduler not in SCHEDULERS + ("saved",):
-        raise ValueError(f"scheduler={scheduler!r}; choose one of {SCHEDULERS + ('saved',)}.")
+    if scheduler not in SCHEDULERS + ("saved", None):
+        raise ValueError(f"scheduler={scheduler!r}; choose one of {SCHEDULERS + ('saved',)} (None: the saved one).")
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     if not model.exists():
         raise FileNotFoundError(f"model {model} does not exist; give a pipeline folder or a save_pretrained transformer folder.")
     if not model.is_dir():
         raise ValueError(f"model {model} is a file; give a pipeline folder or a save_pretrained transformer folder.")
-    if (model / "model_index.json").is_file():
+    is_pipeline = (model / "model_index.json").is_file()
+    if is_pipeline:
+        if scheduler in (None, "saved") and clip_sample is not None:
+            raise ValueError("clip_sample applies to a scheduler built here; the saved scheduler keeps its own "
+                             "clipping. Leave clip_sample out, or pass scheduler='ddpm'|'ddim'.")
         pipe = MoHDiTPipeline.from_pretrained(model)
         if vae is not None:
             pipe = MoHDiTPipeline(transformer=pipe.transformer, scheduler=pipe.scheduler, vae=_load_vae(vae),
@@ -272,13 +281,16 @@ def load_pipeline(
                 "--vae stabilityai/sd-vae-ft-ema."
             )
         pipe = MoHDiTPipeline(transformer=transformer, scheduler=make_scheduler("ddpm"), vae=_load_vae(vae))
+        scheduler = scheduler or "ddpm"
     else:
         raise FileNotFoundError(
             f"{model} is neither a pipeline folder (model_index.json) nor a transformer folder (config.json)."
         )
-    if scheduler != "saved":
+    if scheduler not in (None, "saved"):
         if clip_sample is None:
             clip_sample = pipe.vae is None and scheduler != "dpm"
+        instead = f"instead of the saved {type(pipe.scheduler).__name__}" if is_pipeline else "(a transformer folder has none)"
+        logger.info(f"scheduler: make_scheduler({scheduler!r}, clip_sample={clip_sample}) {instead}.")
         pipe.scheduler = make_scheduler(scheduler, clip_sample=clip_sample)
     if pipe.transformer.dtype != torch_dtype:
         pipe.transformer.to(torch_dtype)
