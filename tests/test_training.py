@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from accelerate.tracking import GeneralTracker
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -578,6 +579,16 @@ NAN, INF = "nan", "inf"
     (["--compile-mode", "default", "--compile-per-block"], r"--compile-per-block and --compile-mode set how --compile"),
     (["--compile-mode", "max-autotune"], r"add --compile or drop them"),
     (["--compile", "--compile-mode", "fastest"], r"--compile-mode: invalid choice"),
+    (["--train-batch-size", 0], r"--train-batch-size.*0"),
+    (["--train_batch_size", 3], r"--train-batch-size 3 x 1 process x --gradient-accumulation-steps 1 makes 3 images "
+                                r"per step, but --global-batch-size is 4; give one of the two"),
+    (["--gradient-accumulation-steps", 0], r"--gradient-accumulation-steps.*0"),
+    (["--gradient_accumulation_steps", 3], r"--global-batch-size 4 is not divisible by 1 process x "
+                                           r"--gradient-accumulation-steps 3 = 3; use a multiple of 3"),
+    (["--lr-scheduler", "piecewise_constant"], r"invalid choice"),
+    (["--ema-power", 0.75], r"--ema-inv-gamma and --ema-power shape --ema-warmup.*add --ema-warmup"),
+    (["--ema-warmup", "--ema-inv-gamma", 0], r"--ema-inv-gamma.*0"),
+    (["--ema-warmup", "--ema-power", NAN], r"--ema-power.*nan"),
 ])
 def test_every_bad_flag_is_refused_before_any_work(bad_inputs, data, refuses, flags, match):
     tmp = bad_inputs
@@ -789,3 +800,266 @@ def test_training_steps_between_logs_never_read_a_tensor_on_the_host(tmp_path, d
     assert reads == []
     log = json.loads((tmp_path / "run" / "train_log.jsonl").read_text().splitlines()[-1])
     assert log["images_per_sec"] > 0 and log["steps_per_sec"] > 0 and 0 < log["mfu"] < 1
+
+
+# ------------------------------------------------------------------ diffusers' and accelerate's dialect
+DIFFUSERS_SPELLINGS = [  # diffusers' example-script flag -> this trainer's flag, with a value
+    ("--train_data_dir", "--data-dir", "d"), ("--resolution", "--image-size", "32"),
+    ("--train_batch_size", "--train-batch-size", "8"), ("--max_train_steps", "--max-steps", "7"),
+    ("--checkpointing_steps", "--checkpoint-every", "3"), ("--lr_warmup_steps", "--warmup-steps", "5"),
+    ("--resume_from_checkpoint", "--resume", "latest"), ("--dataloader_num_workers", "--num-workers", "1"),
+    ("--output_dir", "--output-dir", "o"), ("--mixed_precision", "--mixed-precision", "bf16"),
+    ("--gradient_accumulation_steps", "--gradient-accumulation-steps", "2"),
+    ("--lr_scheduler", "--lr-scheduler", "cosine"), ("--report_to", "--report-to", "none"),
+]
+
+
+def test_diffusers_example_flag_names_set_the_same_options(load_script):
+    script = load_script("train")
+    base = ["--preset", "DiT-Tiny"]
+    theirs = script.config_from_args(script.parse_args(base + [a for d, _, v in DIFFUSERS_SPELLINGS for a in (d, v)]))
+    ours = script.config_from_args(script.parse_args(base + [a for _, o, v in DIFFUSERS_SPELLINGS for a in (o, v)]))
+    assert theirs == ours
+    assert (ours.data_dir, ours.image_size, ours.train_batch_size, ours.max_steps, ours.checkpoint_every) == \
+        ("d", 32, 8, 7, 3)
+    assert (ours.warmup_steps, ours.resume, ours.num_workers, ours.gradient_accumulation_steps, ours.lr_scheduler) == \
+        (5, "latest", 1, 2, "cosine")
+
+
+def test_help_lists_each_flag_once_and_no_alias(load_script, capsys):
+    with pytest.raises(SystemExit):
+        load_script("train").parse_args(["--help"])
+    text = capsys.readouterr().out
+    flags = re.findall(r"^  (--[a-z0-9_-]+)", text.split("\noptions:\n", 1)[1], re.M)
+    assert len(flags) == len(set(flags)) and {"--gradient-accumulation-steps", "--lr-scheduler", "--ema-warmup",
+                                              "--train-batch-size"} <= set(flags)
+    usage = text.split("\n\n", 1)[0]
+    assert not {d for d, _, _ in DIFFUSERS_SPELLINGS} & set(flags) and "_" not in "".join(flags)
+    assert not any(re.search(rf"\[{d}\b", usage) for d, _, _ in DIFFUSERS_SPELLINGS)
+
+
+def test_train_batch_size_is_per_process_and_per_pass(tmp_path, data):
+    cfg = config(tmp_path, data, global_batch_size=None, train_batch_size=2, gradient_accumulation_steps=2)
+    launch = cfg.for_launch(3, "no", 2, "none")
+    assert (launch.global_batch_size, launch.train_batch_size, launch.gradient_accumulation_steps) == (12, 2, 2)
+    launch = config(tmp_path, data, global_batch_size=None).for_launch(4, "no", 1, "none")
+    assert (launch.global_batch_size, launch.train_batch_size) == (256, 64)  # DiT's default global batch
+    assert config(tmp_path, data, global_batch_size=8, train_batch_size=2).for_launch(2, "no", 2, "none") \
+        .global_batch_size == 8  # both given and agreeing
+    with pytest.raises(ValueError, match="accelerate's 4"):  # accelerate launch --gradient_accumulation_steps 4
+        config(tmp_path, data, gradient_accumulation_steps=2).for_launch(1, "no", 4, "none")
+
+
+def _capture_grads(monkeypatch):
+    """Every AdamW step's gradients, in parameter order, before the step."""
+    grads, real_step = [], torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        grads.append([p.grad.clone() for group in self.param_groups for p in group["params"] if p.grad is not None])
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    return grads
+
+
+def test_accumulated_step_equals_one_big_batch(tmp_path, data, monkeypatch):
+    """2 passes of 2 images with accumulation 2 give the gradient of one pass of 4 (one timestep
+    for all, and noise a function of the image, so that both see the same draws)."""
+    diffusion_cls = type(create_diffusion())
+    monkeypatch.setattr(diffusion_cls, "sample_timesteps", lambda self, n, device=None, generator=None:
+                        torch.full((n,), 500, device=device))
+    monkeypatch.setattr(torch, "randn_like", lambda x, **kw: torch.sin(7.0 * x + 1.0))
+    grads = _capture_grads(monkeypatch)
+    kw = dict(preset="DiT-Tiny", max_steps=1, checkpoint_every=1, class_dropout=0.0, random_flip=False,
+              learning_rate=1e-3)
+    big = train(config(tmp_path, data, output_dir=str(tmp_path / "big"), global_batch_size=4, **kw))
+    assert big.is_dir()
+    one = grads.pop()
+    train(config(tmp_path, data, output_dir=str(tmp_path / "acc"), global_batch_size=4, gradient_accumulation_steps=2,
+                 **kw))
+    two = grads.pop()
+    assert not grads and len(one) == len(two)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(one, two))
+    record = json.loads((tmp_path / "acc" / "train_config.json").read_text())
+    assert (record["global_batch_size"], record["train_batch_size"], record["gradient_accumulation_steps"]) == (4, 2, 2)
+
+
+@pytest.mark.slow
+def test_accumulated_run_with_ema_warmup_and_cosine_resumes_exactly(tmp_path, data, monkeypatch):
+    """4 steps of 2 accumulated passes each == 2 steps, a crash in step 3, --resume latest to 4:
+    the same weights, EMA (its warm-up is a function of the step), LR schedule and data position."""
+    from diffusers.optimization import get_scheduler
+
+    kw = dict(max_steps=4, checkpoint_every=2, log_every=1, global_batch_size=4, gradient_accumulation_steps=2,
+              ema_warmup=True, ema_decay=0.999, lr_scheduler="cosine", warmup_steps=1, learning_rate=1e-3)
+    train(config(tmp_path, data, output_dir=str(tmp_path / "one"), **kw))
+    real_update, calls = training.update_ema, {"n": 0}
+
+    def crashing_update(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise _Crash
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "update_ema", crashing_update)
+    with pytest.raises(_Crash):
+        train(config(tmp_path, data, output_dir=str(tmp_path / "two"), **kw))
+    monkeypatch.setattr(trainer, "update_ema", real_update)
+    train(config(tmp_path, data, output_dir=str(tmp_path / "two"), resume="latest", **kw))
+    for name in ("model.safetensors", "ema.safetensors", "optimizer.safetensors", "scheduler.json",
+                 "train_state.json", "random_states_0.safetensors"):
+        assert ((tmp_path / "one" / "checkpoints" / "step-0000004" / name).read_bytes()
+                == (tmp_path / "two" / "checkpoints" / "step-0000004" / name).read_bytes()), name
+    assert json.loads((tmp_path / "one" / "checkpoints" / "step-0000004" / "train_state.json").read_text()) \
+        ["sampler"]["position"] == 16  # 4 steps x 2 passes x 2 images
+    # the LR of each step is diffusers' cosine schedule with one warm-up step, in both runs
+    reference = get_scheduler("cosine", torch.optim.SGD([torch.zeros(1)], lr=1e-3), num_warmup_steps=1,
+                              num_training_steps=4)
+    expected = []
+    for _ in range(4):
+        reference.step()
+        expected.append(reference.get_last_lr()[0])
+    for run in ("one", "two"):
+        lrs = [json.loads(line)["lr"] for line in (tmp_path / run / "train_log.jsonl").read_text().splitlines()]
+        assert lrs == pytest.approx(expected, rel=1e-12, abs=1e-15), run
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one state per process; a test that needs another precision starts and
+    ends with a fresh one."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_mixed_precision_left_out_is_accelerates(tmp_path, data, load_script, monkeypatch, capsys,
+                                                 fresh_accelerate_state):
+    """Without --mixed-precision, accelerate launch's choice (ACCELERATE_MIXED_PRECISION) is used,
+    said and recorded."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    capsys.readouterr()
+    assert run_cli_train(load_script, cli_args(tmp_path / "run", data, "--max-steps", 1)) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"Mixed precision: bf16 \(accelerate's ACCELERATE_MIXED_PRECISION", out), out
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["mixed_precision"] == "bf16"
+
+
+def test_mixed_precision_flag_wins_over_accelerate(tmp_path, data, load_script, monkeypatch, capsys,
+                                                   fresh_accelerate_state):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    capsys.readouterr()
+    assert run_cli_train(load_script, cli_args(tmp_path / "run", data, "--max-steps", 1, "--mixed_precision", "no")) == 0
+    assert "Mixed precision: no (--mixed-precision)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["mixed_precision"] == "no"
+
+
+@pytest.mark.parametrize("tracker, install", [("tensorboard", 'pip install "moh-dit[tensorboard]"'),
+                                              ("wandb", "pip install wandb")])
+def test_a_tracker_asked_for_but_not_installed_is_refused(tmp_path, data, refuses, monkeypatch, tracker, install):
+    import moh_dit.training.tracking as tracking
+
+    monkeypatch.setattr(tracking, "available_trackers", lambda: set())
+    refuses("train", cli_args(tmp_path / "run", data, "--report_to", tracker),
+            rf"--report-to {tracker}: {tracker} is not installed.*{re.escape(install)}.*--report-to none")
+
+
+def test_default_tracker_is_tensorboard_when_installed_else_none(tmp_path, data, load_script, monkeypatch, capsys):
+    """A run without --report-to on an install without TensorBoard trains, and says so; with
+    it installed, TensorBoard is the default (as in diffusers' scripts)."""
+    import moh_dit.training.tracking as tracking
+
+    monkeypatch.setattr(tracking, "available_trackers", lambda: {"tensorboard"})
+    assert tracking.resolve_report_to(None)[0] == "tensorboard" and tracking.resolve_report_to("none")[0] == "none"
+    monkeypatch.setattr(tracking, "available_trackers", lambda: set())
+    argv = cli_args(tmp_path / "run", data, "--max-steps", 1)
+    i = argv.index("--report-to")
+    del argv[i:i + 2]
+    capsys.readouterr()
+    assert run_cli_train(load_script, argv) == 0
+    captured = capsys.readouterr()
+    assert re.search(r"Tracker: none \(TensorBoard is not installed \(pip install \"moh-dit\[tensorboard\]\"",
+                     captured.out), captured.out
+    assert f"Done. EMA model: {tmp_path / 'run' / 'final'}" in captured.out
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["report_to"] == "none"
+    # the run's EMA (0.9 over 1 step) is still mostly the initial weights: said at the start
+    assert re.search(r"warning: --ema-decay 0.9 over 1 steps.*90% the initial weights.*--ema-warmup", captured.err)
+
+
+class _RecordingTracker(GeneralTracker):
+    """An accelerate tracker that keeps what it is given."""
+
+    name, requires_logging_directory = "recording", False
+
+    def __init__(self):
+        super().__init__()
+        self.config, self.scalars, self.images = None, [], []
+
+    @property
+    def tracker(self):
+        return self
+
+    def store_init_configuration(self, values):
+        self.config = values
+
+    def log(self, values, step=None, **kwargs):
+        self.scalars.append((step, values))
+
+    def log_images(self, values, step=None, **kwargs):
+        self.images.append((step, {k: v.clone() for k, v in values.items()}))
+
+
+def test_sample_grids_and_scalars_go_to_the_tracker(tmp_path, data, monkeypatch):
+    import moh_dit.training.tracking as tracking
+
+    recording = _RecordingTracker()
+    monkeypatch.setattr(tracking, "available_trackers", lambda: {"tensorboard"})
+    monkeypatch.setattr(trainer, "log_with", lambda report_to: [recording])
+    train(config(tmp_path, data, report_to="tensorboard", max_steps=2, log_every=1, sample_every=2, sample_steps=2))
+    assert recording.config["max_steps"] == 2 and recording.config["report_to"] == "tensorboard"
+    assert [step for step, _ in recording.scalars] == [1, 2] and "loss" in recording.scalars[0][1]
+    [(step, images)] = recording.images
+    grid = images["samples"]
+    assert step == 2 and grid.shape[:2] == (1, 3) and 0 <= grid.min() and grid.max() <= 1
+    # the grid of the PNG: the same images, classes 0-2 in a row, four seeds
+    png = np.asarray(Image.open(tmp_path / "run" / "samples" / "step-0000002.png")).astype(np.float32) / 255
+    assert png.shape[:2] == tuple(grid.shape[2:]) and np.abs(png - grid[0].permute(1, 2, 0).numpy()).max() < 1 / 255 + 1e-6
+
+
+def test_ema_warmup_follows_diffusers_ema_model_and_survives_the_short_run(tmp_path, data, capsys):
+    """Decay of step n is diffusers' EMAModel(use_ema_warmup=True).get_decay(n); after the
+    first step the EMA is that step's weights, and the short run gets no stale-EMA warning."""
+    from diffusers.training_utils import EMAModel
+
+    from moh_dit.training.schedules import ema_decay_at
+
+    for inv_gamma, power in ((1.0, 2 / 3), (10.0, 0.75)):
+        ref = EMAModel(torch.nn.Linear(1, 1).parameters(), decay=0.9999, use_ema_warmup=True, inv_gamma=inv_gamma,
+                       power=power)
+        assert [ema_decay_at(n, 0.9999, True, inv_gamma, power) for n in range(1, 2000, 37)] == \
+            pytest.approx([ref.get_decay(n) for n in range(1, 2000, 37)], rel=1e-12)
+    assert ema_decay_at(5, 0.9999) == 0.9999  # no warm-up: DiT's constant decay
+    capsys.readouterr()
+    train(config(tmp_path, data, max_steps=1, checkpoint_every=1, ema_decay=0.9999, ema_warmup=True))
+    assert "warning" not in capsys.readouterr().err
+    ckpt = tmp_path / "run" / "checkpoints" / "step-0000001"
+    model, ema = _weights(ckpt), _weights(ckpt, "ema.safetensors")
+    assert all(torch.equal(model[k], ema[k]) for k in model)
+
+
+def test_stale_ema_warning_only_where_the_ema_would_keep_the_initial_weights(tmp_path, data, load_script, capsys):
+    def warning(**kw):
+        return config(tmp_path, data, **kw).ema_warning()
+
+    assert warning(max_steps=400_000, ema_decay=0.9999) is None  # the paper's recipe
+    assert warning(max_steps=20, ema_decay=0.9999, ema_warmup=True) is None
+    assert warning(max_steps=23_100, ema_decay=0.9999) is None  # 0.9999 ** 23100 = 0.099
+    assert "--ema-warmup" in warning(max_steps=23_000, ema_decay=0.9999)  # 0.9999 ** 23000 = 0.100 and a bit
+    assert "14% the initial weights" in warning(max_steps=19_800, ema_decay=0.9999)
+    capsys.readouterr()
+    argv = cli_args(tmp_path / "run", data, "--max-steps", 20, "--ema-decay", 0.9999, "--dry-run")
+    assert run_cli_train(load_script, argv) == 0
+    assert re.search(r"warning: --ema-decay 0.9999 over 20 steps.*100% the initial weights.*add --ema-warmup",
+                     capsys.readouterr().err)

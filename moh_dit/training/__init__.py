@@ -23,7 +23,9 @@ Reading order of the modules (a resume crosses the first three, from ``scripts/t
 - ``checkpoints``: writing, verifying, loading and rotating checkpoints, and the work all
   processes share;
 - ``config``: :class:`TrainConfig`, every option (with its flag's help), checked before any
-  work, and the errors a run raises.
+  work, and the errors a run raises;
+- ``schedules``: what changes with the step: the LR schedule (diffusers') and the EMA decay;
+- ``tracking``: ``--report-to`` through accelerate's trackers.
 """
 
 from __future__ import annotations

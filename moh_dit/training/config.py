@@ -223,7 +223,7 @@ class TrainConfig:
         launch's Accelerator exists, after :meth:`validate`)."""
         accumulation = accumulation or self.gradient_accumulation_steps or 1
         parts = num_processes * accumulation
-        split = f"{num_processes} processes x --gradient-accumulation-steps {accumulation}"
+        split = f"{num_processes} process{'es' if num_processes > 1 else ''} x --gradient-accumulation-steps {accumulation}"
         if self.train_batch_size is not None:
             implied = self.train_batch_size * parts
             if self.global_batch_size is not None and self.global_batch_size != implied:
