@@ -3,6 +3,8 @@
 import argparse
 import logging
 import re
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,3 +226,36 @@ def test_library_calls_print_nothing(tmp_path, load_script, capsys):
     make_demo_dataset(tmp_path / "data", images_per_class=1, image_size=12)
     convert_checkpoint(_tiny_checkpoint(tmp_path), "DiT-Tiny", tmp_path / "model")
     assert capsys.readouterr().out == ""
+
+
+# --------------------------------------------------------------------------------------
+# Every command the README and the docs show parses
+# --------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _shown_commands() -> list[tuple[str, str, str]]:
+    """(where, command, flags) of every ``moh-dit <command> ...`` (or ``-m moh_dit.commands
+    <command>``) in a shell block of README.md and docs/*.md; ``[...]`` marks optional flags."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", path.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                match = re.search(r"(?:^|\s)(?:moh-dit|-m moh_dit\.commands) ([a-z][\w-]*)(.*)", line.split("#")[0])
+                if match:
+                    found.append((f"{path.relative_to(ROOT)}: {match.group(0).strip()[:60]}", *match.groups()))
+    return found
+
+
+SHOWN = _shown_commands()
+
+
+def test_the_docs_show_the_installed_command():
+    assert len(SHOWN) >= 20 and {command for _, command, _ in SHOWN} >= {"train", "sample", "evaluate", "demo"}
+
+
+@pytest.mark.parametrize("where, command, flags", SHOWN, ids=[where for where, _, _ in SHOWN])
+def test_every_command_shown_in_the_docs_parses(where, command, flags, load_script):
+    assert command in COMMANDS, f"{where}: no command {command!r}"
+    load_script(COMMANDS[command][0]).parse_args(shlex.split(re.sub(r"\[([^\]]*)\]", r"\1", flags)))
