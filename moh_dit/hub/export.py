@@ -187,6 +187,8 @@ def _rewrite_index(folder: Path) -> None:
     path = folder / "model_index.json"
     index = json.loads(path.read_text(encoding="utf-8"))
     pipeline_class, transformer_class = index["_class_name"], index["transformer"][1]
+    if isinstance(pipeline_class, list):  # save_pretrained already names its loader module
+        pipeline_class = pipeline_class[1]
     index["_class_name"] = [PIPELINE_MODULE, pipeline_class]
     index["transformer"] = [TRANSFORMER_MODULE, transformer_class]
     index.pop("_name_or_path", None)  # a path on the exporting machine
