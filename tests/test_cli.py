@@ -4,6 +4,9 @@ import argparse
 import logging
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,8 @@ import torch
 from moh_dit.commands import COMMANDS, main
 from moh_dit.utils.cli import ArgumentParser
 from moh_dit.utils.logging import get_logger, get_verbosity, set_verbosity
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_subcommand_has_a_module_with_cli(load_script):
@@ -228,12 +233,32 @@ def test_library_calls_print_nothing(tmp_path, load_script, capsys):
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.slow
+def test_every_way_to_start_a_command(tmp_path):
+    """In real processes, from a folder outside the clone: the console script, python -m (the
+    package and the module), and scripts/ all run the same command under the same name; -q
+    leaves stdout empty. (The installed wheel: tests/test_packaging.py.)"""
+    starts = [[sys.executable, "-m", "moh_dit.commands", "convert"],
+              [sys.executable, "-m", "moh_dit.commands.convert_checkpoint"],
+              [sys.executable, ROOT / "scripts" / "convert_checkpoint.py"]]
+    console = shutil.which("moh-dit", path=str(Path(sys.executable).parent))
+    if console is not None:  # the console script of this environment's install
+        starts.append([console, "convert"])
+    for start in starts:
+        result = subprocess.run([*map(str, start), "--help"], cwd=tmp_path, capture_output=True, text=True)
+        assert result.returncode == 0 and result.stdout.startswith("usage: moh-dit convert "), (start, result.stderr)
+    argv = ["--output_dir", "shapes", "--images-per-class", "1", "--image-size", "12"]
+    shown = subprocess.run([sys.executable, ROOT / "scripts" / "make_demo_dataset.py", *argv], cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout.startswith("wrote 12 images"), shown.stderr
+    quiet = subprocess.run([sys.executable, "-m", "moh_dit.commands", "make-demo-dataset", *argv, "--overwrite", "-q"],
+                           cwd=tmp_path, capture_output=True, text=True)
+    assert (quiet.returncode, quiet.stdout) == (0, ""), quiet.stderr
+
+
 # --------------------------------------------------------------------------------------
 # Every command the README and the docs show parses
 # --------------------------------------------------------------------------------------
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _shown_commands() -> list[tuple[str, str, str]]:
     """(where, command, flags) of every ``moh-dit <command> ...`` (or ``-m moh_dit.commands
