@@ -299,3 +299,14 @@ def test_upcycle_demo_refuses_bad_flags(argv, match, tmp_path, refuses):
     if "--output-dir" not in argv:
         argv = ["--output-dir", str(tmp_path / "demo"), *argv]
     refuses("upcycle_demo", argv, match)
+
+
+def test_upcycle_demo_continues_whatever_it_prints(tmp_path, load_script):
+    """How much a rerun prints (-q, -v) is not a setting of the demo: the rerun continues it."""
+    demo = load_script("upcycle_demo")
+    out = tmp_path / "demo"
+    demo._claim(demo.parse_args(["--output-dir", str(out), *TINY_DEMO]), out)
+    demo._claim(demo.parse_args(["--output-dir", str(out), *TINY_DEMO, "-q"]), out)
+    demo._claim(demo.parse_args(["--output_dir", str(out), *TINY_DEMO, "--verbose"]), out)
+    with pytest.raises(FileExistsError, match=r"other settings \(seed\)"):
+        demo._claim(demo.parse_args(["--output-dir", str(out), *TINY_DEMO, "--seed", "1"]), out)
