@@ -913,10 +913,11 @@ def test_accumulated_run_with_ema_warmup_and_cosine_resumes_exactly(tmp_path, da
     assert json.loads((tmp_path / "one" / "checkpoints" / "step-0000004" / "train_state.json").read_text()) \
         ["sampler"]["position"] == 16  # 4 steps x 2 passes x 2 images
     # the LR of each step is diffusers' cosine schedule with one warm-up step, in both runs
-    reference = get_scheduler("cosine", torch.optim.SGD([torch.zeros(1)], lr=1e-3), num_warmup_steps=1,
-                              num_training_steps=4)
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    reference = get_scheduler("cosine", sgd, num_warmup_steps=1, num_training_steps=4)
     expected = []
     for _ in range(4):
+        sgd.step()
         reference.step()
         expected.append(reference.get_last_lr()[0])
     for run in ("one", "two"):

@@ -1,16 +1,18 @@
-"""Train MoH-DiT or a dense DiT baseline with class-conditional diffusion (DiT's recipe).
+r"""Train MoH-DiT or a dense DiT baseline with class-conditional diffusion (DiT's recipe).
 
-One CPU or GPU:   python scripts/train.py --preset MoH-DiT-Tiny --data-dir demo_data --vae none --image-size 32 \
-                      --output-dir runs/demo --max-steps 1500 --global-batch-size 32
-Many GPUs/nodes:  accelerate launch --multi_gpu --num_processes 8 scripts/train.py --preset MoH-DiT-XL/2-90 \
+One CPU or GPU:   moh-dit train --preset MoH-DiT-Tiny --data-dir demo_data --vae none --image-size 32 \
+                      --output-dir runs/demo --max-steps 1500 --global-batch-size 32 --ema-warmup
+Many GPUs/nodes:  accelerate launch --multi_gpu --num_processes 8 -m moh_dit.commands train --preset MoH-DiT-XL/2-90 \
                       --latents-dir imagenet_latents --output-dir runs/xl --global-batch-size 256
 To resume, run the same command again with --resume latest.
+From weights:     moh-dit train --preset MoH-DiT-XL/2-up75 --init-from dit-xl-2-up75 --router-warmup-steps 2000 \
+                      --latents-dir imagenet_latents --output-dir runs/up75   (resume it with --resume latest, without
+                      --init-from: the checkpoints hold the weights)
 diffusers' spellings work too: --train_data_dir, --resolution, --train_batch_size, --max_train_steps,
                   --checkpointing_steps, --lr_warmup_steps, --resume_from_checkpoint, --dataloader_num_workers,
                   and every flag with underscores (--output_dir, --mixed_precision, --lr_scheduler).
-From weights:     python scripts/train.py --preset MoH-DiT-XL/2-up75 --init-from dit-xl-2-up75 --router-warmup-steps 2000 \
-                      --latents-dir imagenet_latents --output-dir runs/up75   (resume it with --resume latest, without
-                      --init-from: the checkpoints hold the weights)
+Left out, --mixed-precision and --gradient-accumulation-steps are accelerate's (accelerate launch's flags or
+config), and --report-to is tensorboard if it is installed, else none; the run prints what it uses.
 
 The --output-dir belongs to one run: a second run into it while it trains is refused, and so
 is a new run (no --resume) into a folder that holds one. Checkpoints are safetensors and JSON,
