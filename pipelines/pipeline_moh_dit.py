@@ -180,17 +180,29 @@ class MoHDiTPipeline(DiffusionPipeline):
 
         Folders written by :meth:`save_pretrained` or by ``moh_dit.hub.export`` name the pipeline's
         module file in their ``model_index.json``, so that ``DiffusionPipeline.from_pretrained(folder,
-        trust_remote_code=True)`` loads them. Called on this class, such a local folder is loaded with
-        this module's own classes instead (no ``trust_remote_code``, none of the folder's code run,
-        same weights). It takes ``torch_dtype`` (or ``dtype``), ``variant`` and ready ``transformer`` /
-        ``scheduler`` / ``vae`` / ``id2label``; other arguments raise TypeError.
+        trust_remote_code=True)`` loads them. Called on this class, none of the folder's code runs: a
+        ``save_pretrained`` folder loads through diffusers with every argument it takes; an export
+        (whose transformer is also a module file) loads with this package's classes and takes
+        ``torch_dtype`` (or ``dtype``), ``variant`` and ready ``transformer`` / ``scheduler`` / ``vae`` /
+        ``id2label``; other arguments raise TypeError.
         """
         index = read_export_index(pretrained_model_name_or_path)
-        if index is None:
+        if index is None or str(index.get("transformer", [""])[0]).startswith("moh_dit"):  # not a self-contained export
             return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         pipe = cls(**load_export_components(pretrained_model_name_or_path, index, kwargs))
         pipe.register_to_config(_name_or_path=str(pretrained_model_name_or_path))
         return pipe
+
+    @classmethod
+    def load_config(cls, *args: Any, **kwargs: Any):
+        """``ConfigMixin.load_config``, with a ``_class_name`` that names a module file read as the
+        plain class name: loading through this class then uses the class itself (every
+        ``from_pretrained`` argument, none of the folder's code run) instead of the folder's file."""
+        loaded = super().load_config(*args, **kwargs)
+        config = loaded[0] if isinstance(loaded, tuple) else loaded
+        if isinstance(config.get("_class_name"), list):
+            config["_class_name"] = config["_class_name"][1]
+        return loaded
 
     def save_pretrained(self, save_directory, *args: Any, **kwargs: Any) -> None:
         """``DiffusionPipeline.save_pretrained``, plus a module file that lets

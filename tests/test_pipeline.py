@@ -568,6 +568,10 @@ def test_save_pretrained_loads_with_diffusion_pipeline(tmp_path, tiny_pipe, monk
     torch.testing.assert_close(loaded(["cat", 3], **kwargs).images, pipe(["cat", 3], **kwargs).images, rtol=0, atol=0)
     again = MoHDiTPipeline.from_pretrained(tmp_path / "saved")  # no trust_remote_code: the folder's file is not run
     torch.testing.assert_close(again(["cat", 3], **kwargs).images, pipe(["cat", 3], **kwargs).images, rtol=0, atol=0)
+    # ... and through diffusers' own loader, which takes all of its usual arguments
+    again = MoHDiTPipeline.from_pretrained(tmp_path / "saved", low_cpu_mem_usage=True, local_files_only=True)
+    assert type(again) is MoHDiTPipeline
+    torch.testing.assert_close(again(["cat", 3], **kwargs).images, pipe(["cat", 3], **kwargs).images, rtol=0, atol=0)
 
 
 def test_ddim_is_dit_ddim(tiny_pipe):
