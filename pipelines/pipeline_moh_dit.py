@@ -250,7 +250,7 @@ class MoHDiTPipeline(DiffusionPipeline):
         """Validate a ``__call__``'s arguments against this pipeline's model and scheduler
         (diffusers' ``check_inputs`` convention); raises ValueError naming the bad value.
 
-        Called first by ``__call__``, and usable before any work (``scripts/sample.py`` checks
+        Called first by ``__call__``, and usable before any work (``moh-dit sample`` checks
         its settings with it before it writes anything). Nothing runs on the model.
         """
         ids = self.get_label_ids(class_labels)
@@ -381,7 +381,7 @@ class MoHDiTPipeline(DiffusionPipeline):
             generator: a ``torch.Generator`` or one per image (diffusers convention).
             seeds: one seed per image instead of ``generator``: each image gets its own CPU
                 generator for its initial noise and for the noise of every DDPM step, so
-                image ``i`` is the same whatever the batch size (what ``scripts/sample.py`` uses).
+                image ``i`` is the same whatever the batch size (what ``moh-dit sample`` uses).
             latents: initial noise (B, C, H, W) instead of drawing it.
             guidance_channels: ``"all"`` guides every eps channel (diffusers' DiTPipeline);
                 ``"dit"`` guides only the first three, as the original DiT sampler does (its

@@ -7,6 +7,19 @@ import torch
 
 # Tests never touch the network; the Hub client must not try.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """Reference-statistics caches go to a temporary folder, never the real home cache
+    (subprocesses inherit the variable)."""
+    previous = os.environ.get("MOH_DIT_CACHE")
+    os.environ["MOH_DIT_CACHE"] = str(tmp_path_factory.mktemp("moh-dit-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("MOH_DIT_CACHE", None)
+    else:
+        os.environ["MOH_DIT_CACHE"] = previous
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 # diffusers' convention: tests marked `slow` (whole scripts in subprocesses, two-process

@@ -332,8 +332,8 @@ def _sample_argv(models, out, *extra):
         # A learned-variance DDPM with a model that does not learn sigma: refused before writing.
         (["--model", "{models}/fixed"], r"does not learn sigma"),
         (["--model", "{models}/latent"], r"latent model \(4-channel inputs\): pass its VAE with --vae"),
-        (["--output", "{tmp}/file.txt"], r"--output .*file\.txt is a file"),
-        (["--output", "{tmp}/file.txt/out"], r"--output .*out lies under .*file\.txt, which is a file"),
+        (["--output", "{tmp}/file.txt"], r"--output-dir .*file\.txt is a file"),
+        (["--output", "{tmp}/file.txt/out"], r"--output-dir .*out lies under .*file\.txt, which is a file"),
     ],
 )
 def test_script_refuses_bad_flags_before_writing(extra, match, saved_models, tmp_path, refuses):

@@ -1064,3 +1064,21 @@ def test_stale_ema_warning_only_where_the_ema_would_keep_the_initial_weights(tmp
     assert run_cli_train(load_script, argv) == 0
     assert re.search(r"warning: --ema-decay 0.9999 over 20 steps.*100% the initial weights.*add --ema-warmup",
                      capsys.readouterr().err)
+
+
+def test_checkpoints_and_final_get_the_permissions_the_umask_gives(tmp_path, data):
+    """Checkpoint folders and final/ are published like any folder the user makes (0755 / 0644
+    under umask 022), not with the temporary folder's owner-only modes."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        final = train(config(tmp_path, data, max_steps=2, checkpoint_every=2))
+    finally:
+        os.umask(old)
+    for folder in (final, find_latest_checkpoint(tmp_path / "run")):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o755, folder
+        for f in folder.iterdir():
+            if f.is_file():
+                assert stat.S_IMODE(f.stat().st_mode) == 0o644, f

@@ -2,7 +2,7 @@
 
     accelerate launch scripts/sample.py --model moh-dit-xl-2-90 --vae stabilityai/sd-vae-ft-ema \\
         --num-samples 50000 --per-device-batch-size 32 --guidance-scale 1.5 \\
-        --num-inference-steps 250 --head-activation-ratio 0.9 --output samples/xl-90-cfg1.5
+        --num-inference-steps 250 --head-activation-ratio 0.9 --output-dir samples/xl-90-cfg1.5
 
 Image i (class i mod num_classes, seed --seed + i) is the same for any number of devices
 and any batch size. To resume after a crash, run the same command again: finished PNGs
@@ -55,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vae", default=None,
                         help="AutoencoderKL path or Hub id, or 'none' for pixel-space models "
                              "(default: the pipeline folder's own VAE; none for a transformer folder)")
-    parser.add_argument("--output", required=True, help="output folder: samples/*.png, samples.npz, sample_config.json")
+    parser.add_argument("--output-dir", required=True,
+                        help="output folder: samples/*.png, samples.npz, sample_config.json")
+    parser.add_alias("--output", "--output-dir")  # the earlier name
     parser.add_argument("--num-samples", type=int, default=50_000)
     parser.add_argument("--per-device-batch-size", type=int, default=32)
     parser.add_argument("--guidance-scale", type=float, default=1.5, help="classifier-free guidance; 1 = none")
@@ -112,7 +114,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.compile_mode is not None and not args.compile:
         raise ValueError("--compile-mode sets how --compile compiles; add --compile or drop it.")
     check_model_flags(args.model, args.vae)
-    check_folder_path(args.output, "--output", "give a folder (it is created if missing)")
+    check_folder_path(args.output_dir, "--output-dir", "give a folder (it is created if missing)")
 
 
 def check_model_args(args: argparse.Namespace, pipe, settings: SampleSettings) -> None:
@@ -176,7 +178,7 @@ def main(args: argparse.Namespace) -> int:
             print(json.dumps({"identity": identity, "run": run_info}, indent=2, sort_keys=True))
         return 0
     if accelerator.is_main_process:
-        note = check_or_write_settings(args.output, identity, run_info)
+        note = check_or_write_settings(args.output_dir, identity, run_info)
         if note:
             logger.info(f"note: {note}")
         logger.info(f"scheduler: {sampler['scheduler']}; {sampler['guidance']}.")
@@ -187,7 +189,7 @@ def main(args: argparse.Namespace) -> int:
         compile_model(pipe.transformer, mode=args.compile_mode, dynamic=None)  # None: a last, smaller batch is fine
     start = time.perf_counter()
     made = sample_images(
-        pipe, args.output, settings, batch_size=args.per_device_batch_size,
+        pipe, args.output_dir, settings, batch_size=args.per_device_batch_size,
         rank=accelerator.process_index, world_size=accelerator.num_processes,
         progress=accelerator.is_local_main_process,
     )
@@ -201,7 +203,7 @@ def main(args: argparse.Namespace) -> int:
         if not args.no_npz:
             labels = class_labels_for(range(settings.num_samples), pipe.transformer.config.num_classes,
                                       settings.class_labels, settings.seed)
-            path = write_adm_npz(args.output, settings.num_samples, labels=labels)
+            path = write_adm_npz(args.output_dir, settings.num_samples, labels=labels)
             logger.info(f"Wrote {path} ({settings.num_samples} images in arr_0, their class labels in arr_1).")
     return 0
 

@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "default head-sparse only for large, sparse layers on the CPU), "
                              "masked (every head computed, as the release) or sparse")
     parser.add_argument("--save-samples", action="store_true", help="also write each ratio's PNGs under OUTPUT_DIR/ratio_X/samples/")
-    parser.add_argument("--cache-dir", default=None, help="reference statistics cache (default ~/.cache/moh_dit/reference_stats)")
+    parser.add_argument("--cache-dir", default=None, help="reference statistics cache (default: see docs/evaluation.md; $MOH_DIT_CACHE moves it)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the reference statistics cache")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the resolved ratios, top-K and FLOPs as JSON on stdout (also with --quiet), and exit")
@@ -121,7 +121,7 @@ def check_args(args: argparse.Namespace) -> None:
         what = "is a folder" if Path(args.inception_weights).expanduser().is_dir() else "does not exist"
         raise FileNotFoundError(f"--inception-weights {args.inception_weights} {what}; give the weights file "
                                 "(weights-inception-2015-12-05-6726825d.pth).")
-    check_folder_path(args.output_dir, "--output-dir/--output")  # both spellings are accepted
+    check_folder_path(args.output_dir, "--output-dir")
     if args.cache_dir is not None and not args.no_cache:
         check_folder_path(args.cache_dir, "--cache-dir")
     if args.classifier_weights is not None and args.classifier is None:

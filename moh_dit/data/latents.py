@@ -430,8 +430,8 @@ def _fill_shard(job: _ShardJob, loader: DataLoader, tmp: Path, capacity: int) ->
     out.flush()
     del out
     if n < capacity:  # images were skipped: keep only the filled rows
-        # A plain sibling file rather than atomic_write, whose files are owner-only: every
-        # shard of a cache keeps the permissions the umask gives.
+        # A plain sibling file, written with the permissions the umask gives, like every
+        # other shard of the cache.
         full = np.load(tmp, mmap_mode="r")
         compact = tmp.with_name(tmp.name.replace(".tmp.npy", ".tmp2.npy"))
         np.save(compact, np.ascontiguousarray(full[:n]))

@@ -16,7 +16,7 @@ that evaluator in PyTorch:
   2019) with k = 3 on pool_3 features, the reference side being the reference batch's images.
 * Statistics in float64: ``np.mean`` and ``np.cov`` (unbiased, divides by N - 1).
 
-Everything the ``scripts/evaluate.py`` front does is callable from here::
+Everything the ``moh-dit evaluate`` front does is callable from here::
 
     >>> from moh_dit.evaluation import evaluate
     >>> result = evaluate("samples.npz", "VIRTUAL_imagenet256_labeled.npz", device="cuda")

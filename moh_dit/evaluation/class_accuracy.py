@@ -4,10 +4,10 @@ The metric ("classification accuracy of generated samples") is the fraction of s
 predicted class is the class label they were generated with, overall and per class. It says
 whether class conditioning works, which FID does not: a model that ignores its labels can
 still match the reference distribution. It is bounded by the classifier's own accuracy on
-real images, recorded with a classifier trained by ``scripts/train_classifier.py``.
+real images, recorded with a classifier trained by ``moh-dit train-classifier``.
 
 Sample labels follow ADM's convention for class-conditional samples: ``arr_1`` of the
-samples ``.npz`` (what ``scripts/sample.py`` writes), or a separate ``.npy``. A label is
+samples ``.npz`` (what ``moh-dit sample`` writes), or a separate ``.npy``. A label is
 mapped to the classifier's output index by a class map (``--class-index``); without one
 label ``i`` is the classifier's class ``i`` (both follow the sorted class-folder order, and
 ImageNet models use ImageNet's 1000 indices).
@@ -59,9 +59,9 @@ def read_sample_labels(samples: str | os.PathLike | None, labels: str | os.PathL
         path = Path(samples) if samples is not None else None
         if path is None or path.suffix != ".npz" or not path.is_file():
             raise ValueError("class accuracy needs the samples' labels: give samples as an .npz with arr_1 "
-                             "(scripts/sample.py writes it) or pass --labels L.npy")
+                             "(moh-dit sample writes it) or pass --labels L.npy")
         if "arr_1.npy" not in zip_member_names(path):
-            raise ValueError(f"{path} has no arr_1 (the class labels); sample with scripts/sample.py, which writes "
+            raise ValueError(f"{path} has no arr_1 (the class labels); sample with moh-dit sample, which writes "
                              "them, or pass --labels L.npy")
         with np.load(path, allow_pickle=False) as data:
             array = data["arr_1"]

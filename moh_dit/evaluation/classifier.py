@@ -3,7 +3,7 @@
 Two kinds, behind one interface (:class:`SampleClassifier`):
 
 * a small CNN trained on the user's own real images (:func:`train_classifier`, or
-  ``scripts/train_classifier.py``). Its held-out accuracy on real images is recorded with
+  ``moh-dit train-classifier``). Its held-out accuracy on real images is recorded with
   its weights: it bounds what the class-consistency metric can show;
 * any torchvision classification model by name (``"torchvision:resnet50"``) with its
   ImageNet weights, downloaded when a network is there or read from a local state-dict file.
@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from ..data.datasets import center_crop_arr, find_image_folder, image_to_tensor, load_image, write_class_index
 from ..utils.io import publish_folder, write_json_atomic
 from ..utils.output_folders import check_output_folder
+from ..utils.logging import get_logger
 
 __all__ = [
     "ClassifierNotFoundError",
@@ -47,6 +48,8 @@ __all__ = [
 FORMAT = "moh-dit-classifier"
 FORMAT_VERSION = 1
 TORCHVISION_PREFIX = "torchvision:"
+
+logger = get_logger(__name__)
 
 
 class ClassifierNotFoundError(FileNotFoundError):
@@ -210,7 +213,7 @@ def train_classifier(
     width: int = 16,
     seed: int = 0,
     overwrite: bool = False,
-    log: Callable[[str], None] | None = print,
+    log: Callable[[str], None] | None = logger.info,
 ) -> TrainedClassifier:
     """Train :class:`SmallCNN` on an ImageFolder and save it to ``output_dir``.
 
@@ -282,7 +285,7 @@ def _load_folder(path: Path) -> SampleClassifier:
     if not (path / "classifier.json").is_file():
         raise ClassifierNotFoundError(
             f"--classifier {path}: not a classifier folder (no classifier.json); make one with "
-            "scripts/train_classifier.py --data-dir DIR --output DIR, or give torchvision:NAME")
+            "moh-dit train-classifier --data-dir DIR --output-dir DIR, or give torchvision:NAME")
     meta = json.loads((path / "classifier.json").read_text())
     if meta.get("format") != FORMAT or meta.get("architecture") != "SmallCNN":
         raise ValueError(f"--classifier {path}: classifier.json is not a {FORMAT} SmallCNN record")
@@ -363,7 +366,7 @@ def load_classifier(spec: str | os.PathLike, weights: str | os.PathLike | None =
     path = Path(spec).expanduser()
     if not path.exists():
         raise ClassifierNotFoundError(
-            f"--classifier {spec}: no such folder; give a folder from scripts/train_classifier.py or torchvision:NAME")
+            f"--classifier {spec}: no such folder; give a folder from moh-dit train-classifier or torchvision:NAME")
     return _load_folder(path).to(device)
 
 

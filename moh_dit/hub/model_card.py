@@ -165,7 +165,8 @@ def _usage_section(pipe, repo: str, variant: str | None) -> list[str]:
     half = (f'\n# or the {variant} weights (half the download and memory):\n# pipe = DiffusionPipeline.from_pretrained('
             f'"{repo}", trust_remote_code=True, variant="{variant}", dtype={dtype})' if dtype else "")
     low, trained = pipe.transformer.head_activation_range[0], pipe.transformer.trained_head_activation_ratio
-    ratio_line = (f"\nfewer_heads = pipe([{labels}], head_activation_ratio={(low + trained) / 2:.2f}, seeds=[0, 1])"
+    ratio_line = (f"\nfewer_heads = pipe([{labels}], guidance_scale=1.5, num_inference_steps=250, "
+                  f"head_activation_ratio={(low + trained) / 2:.2f}, seeds=[0, 1])"
                   if low < trained else "")
     return [
         "## Use it", "",

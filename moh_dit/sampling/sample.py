@@ -9,7 +9,7 @@ whose PNG exists are skipped (PNGs are written to a temporary name and renamed, 
 that exists is complete). The up-to-50k images are finally streamed into one ADM-format
 ``.npz`` (``arr_0``, uint8 NHWC) without holding them in memory.
 
-``scripts/sample.py`` is the command-line front; everything here is callable from Python::
+``moh-dit sample`` is the command-line front; everything here is callable from Python::
 
     pipe = load_pipeline("moh-dit-xl-2-90", vae="stabilityai/sd-vae-ft-ema")
     settings = SampleSettings(num_samples=50_000, guidance_scale=1.5, num_inference_steps=250)
@@ -383,7 +383,7 @@ def _check_output_folder(output: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Flag checks in the scripts' spelling (scripts/sample.py, scripts/sweep_head_ratio.py)
+# Flag checks in the scripts' spelling (moh-dit sample, moh-dit sweep)
 # --------------------------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ attention FLOPs of the realised per-layer top-K (:func:`attention_flops`) and th
 wall time. Samples stream from the pipeline into the feature extractor, so memory does not
 grow with ``num_samples``.
 
-``scripts/sweep_head_ratio.py`` is the command-line front; everything here is callable::
+``moh-dit sweep`` is the command-line front; everything here is callable::
 
     >>> from moh_dit.sampling.sweep import run_sweep, write_sweep
     >>> result = run_sweep("moh-dit-xl-2-90-pipeline", ratios=("trained", 1.0, 0.75, 0.6, "min"),
@@ -82,6 +82,9 @@ from .sweep_results import (
     write_sweep,
 )
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 __all__ = [
     "DEFAULT_RATIOS",
@@ -428,7 +431,7 @@ def _refuse_earlier_samples(plans: Sequence[RatioPlan], settings: SweepSettings)
     for plan in plans:
         folder = _ratio_dir(Path(settings.output_dir), plan.realised_ratio) / "samples"
         if folder.is_dir() and any(folder.glob("*.png")):
-            raise ValueError(f"{folder} already holds samples; use a new --output (output_dir) or delete it.")
+            raise ValueError(f"{folder} already holds samples; use a new --output-dir or delete it.")
 
 
 def _reference_statistics(
@@ -571,7 +574,7 @@ def sweep_head_activation(
     images: SampleSettings,
     settings: SweepSettings | None = None,
     extractor: nn.Module | None = None,
-    log: Callable[[str], None] | None = print,
+    log: Callable[[str], None] | None = logger.info,
 ) -> SweepResult:
     """Sample and evaluate ``model`` at each head activation ratio of ``ratios``.
 
@@ -656,7 +659,7 @@ def run_sweep(
     progress: bool = True,
     classifier: Any = None,
     classifier_weights: PathLike | None = None,
-    log: Callable[[str], None] | None = print,
+    log: Callable[[str], None] | None = logger.info,
 ) -> SweepResult:
     """:func:`sweep_head_activation` with its settings as keywords.
 

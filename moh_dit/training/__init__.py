@@ -16,7 +16,7 @@ Checkpoints are safetensors and JSON only -- nothing is unpickled -- written int
 folder that is renamed into place when complete; their marker ``checkpoint.json`` records
 every file's size and SHA-256, which a resume checks before it loads anything.
 
-Reading order of the modules (a resume crosses the first three, from ``scripts/train.py``):
+Reading order of the modules (a resume crosses the first three, from ``moh-dit train``):
 
 - ``trainer``: :func:`train`, one run top to bottom -- set up, resume, loop, checkpoint, finish;
 - ``run_folder``: the run's plan (new run, resume, refusals), its lock and its record;

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..data.datasets import ResumableSampler
-from ..utils.io import sha256_file, write_json_atomic
+from ..utils.io import set_ordinary_permissions, sha256_file, write_json_atomic
 from .config import CheckpointIntegrityError, RunFolderBusyError, TrainConfig, TrainingDivergedError, warn
 
 CHECKPOINT_PREFIX = "step-"
@@ -399,6 +399,7 @@ def save_checkpoint(parts: Parts, cfg: TrainConfig, step: int, run: dict[str, An
             theirs = checkpoint_run_id(final)
             moved = _set_aside(final, "damaged" if theirs in (None, run["run_id"]) else "other-run")
             warn(f"{final} was in the way of the new checkpoint; moved it to {moved}.")
+        set_ordinary_permissions(tmp)  # readable as the umask allows, like any folder the user makes
         os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
         verify_checkpoint(final)

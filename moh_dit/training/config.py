@@ -1,7 +1,7 @@
 """Every training option (:class:`TrainConfig`), the checks that run before any work, and
 what a run reports when it stops: its errors and one-line warnings.
 
-Each option that ``scripts/train.py`` offers as a flag carries its help text (and, where it
+Each option that ``moh-dit train`` offers as a flag carries its help text (and, where it
 is not ``--field-name``, its spelling) in the field's metadata; the script reads the flags,
 their defaults and choices from here, so an option is described in one place.
 """
@@ -63,7 +63,7 @@ def _zero_is_none(value: int | None) -> int | None:
 def option(default: Any = None, help: str | None = None, *, flag: str | None = None, choices=None,
            metavar: str | None = None, one_of: str | None = None, negated: bool = False,
            from_flag: Callable[[Any], Any] | None = None, required: bool = False, aliases: tuple[str, ...] = ()):
-    """A field that ``scripts/train.py`` offers as a flag. ``flag``: its spelling when not
+    """A field that ``moh-dit train`` offers as a flag. ``flag``: its spelling when not
     ``--field-name``; ``negated``: a boolean whose flag turns it off (``--no-flip``);
     ``one_of``: flags of the same name form a required either-or group; ``from_flag``: maps
     the parsed value onto the field's; ``required``: a field without a default; ``aliases``:
@@ -75,14 +75,14 @@ def option(default: Any = None, help: str | None = None, *, flag: str | None = N
 
 @dataclass
 class TrainConfig:
-    """Every training option; those with a flag in ``scripts/train.py`` say so in their metadata."""
+    """Every training option; those with a flag in ``moh-dit train`` say so in their metadata."""
 
     preset: str = option(required=True, choices=tuple(PRESETS), metavar="PRESET",
                          help=f"model preset: {', '.join(PRESETS)}")
     output_dir: str = option(required=True)
     data_dir: str | None = option(None, "ImageFolder: one sub-folder of images per class", one_of="data",
                                   aliases=("--train_data_dir",))
-    latents_dir: str | None = option(None, "latent cache written by scripts/extract_latents.py", one_of="data")
+    latents_dir: str | None = option(None, "latent cache written by moh-dit extract-latents", one_of="data")
     vae: str = option("stabilityai/sd-vae-ft-ema", "AutoencoderKL hub id or local folder, or 'none' for pixel space "
                       "(default: %(default)s)")
     vae_subfolder: str | None = option(None, "subfolder of --vae holding the VAE (e.g. 'vae' of a pipeline)")
@@ -137,7 +137,7 @@ class TrainConfig:
                                    "one that is asked for must be installed", choices=REPORT_TO)
     model_overrides: dict[str, Any] = field(default_factory=dict)
     init_from: str | None = option(None, "start a new run from the weights of a saved model folder "
-                                   "(scripts/upcycle.py's output, a run's final/); new optimiser, EMA starting as a "
+                                   "(moh-dit upcycle's output, a run's final/); new optimiser, EMA starting as a "
                                    "copy of them; not with --resume")
     router_warmup_steps: int = option(0, "MoH presets: train only the router parameters for the first N steps "
                                       "(default: %(default)s)")
@@ -291,7 +291,7 @@ class TrainConfig:
                                  "from its checkpoint (which holds the weights); give one of them.")
             if not (Path(self.init_from) / "config.json").is_file():
                 raise ValueError(f"--init-from {self.init_from!r} is not a saved model folder (no config.json); give "
-                                 "a folder written by save_pretrained, scripts/upcycle.py or a run's final/.")
+                                 "a folder written by save_pretrained, moh-dit upcycle or a run's final/.")
         steps = self.router_warmup_steps
         _check(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0, "--router-warmup-steps", steps,
                "0 or more")

@@ -284,7 +284,7 @@ def _load_init_weights(cfg: TrainConfig, model: MoHDiTTransformer2DModel, model_
              if k not in _INIT_FREE_KEYS and theirs.get(k) != ours.get(k)]
     if diffs:
         raise ValueError(f"--init-from {cfg.init_from} does not fit --preset {cfg.preset} on this data: "
-                         f"{'; '.join(diffs)}. Use the preset the model was made for (scripts/upcycle.py prints it) "
+                         f"{'; '.join(diffs)}. Use the preset the model was made for (moh-dit upcycle prints it) "
                          "and data of its size and classes.")
     names = theirs.get("class_names")
     if names is not None and names != model_config.get("class_names"):
