@@ -21,6 +21,7 @@ from diffusers import AutoencoderKL
 from PIL import Image
 
 from moh_dit.utils.cli import run_cli
+from moh_dit.utils.logging import get_verbosity, set_verbosity
 from moh_dit.data.datasets import ImageFolderDataset
 from moh_dit.data.latents import LatentDataset, extract_latents
 
@@ -53,8 +54,13 @@ def run(num_images: int = 8, image_size: int = 256, batch_size: int = 4, device:
         sync(dev)
         on_the_fly = num_images / (time.perf_counter() - start)
 
-        extract_latents(tmp / "images", tmp / "vae", tmp / "cache", image_size, batch_size=batch_size, num_workers=0,
-                        device=dev, progress=False)
+        level = get_verbosity()  # building the cache is set-up, not this benchmark's output
+        set_verbosity("warning")
+        try:
+            extract_latents(tmp / "images", tmp / "vae", tmp / "cache", image_size, batch_size=batch_size,
+                            num_workers=0, device=dev, progress=False)
+        finally:
+            set_verbosity(level)
         cache = LatentDataset(tmp / "cache")
         reads = max(1000, num_images)
         start = time.perf_counter()
