@@ -113,6 +113,7 @@ from .sources import (
 # they are not part of __all__.
 __all__ = [
     "ADM_K",
+    "check_extractor_choice",
     "ADM_SPLIT_SIZE",
     "CACHE_ENV",
     "ClassAccuracy",
@@ -238,7 +239,7 @@ def evaluate(
     :class:`~.class_accuracy.ClassAccuracyMeter`).
     """
     _check_arguments(batch_size=batch_size, num_workers=num_workers, split_size=split_size, k=k)
-    _check_extractor_choice(extractor, inception_weights, random_inception_seed)
+    check_extractor_choice(extractor, inception_weights, random_inception_seed)
     minimum = max(2, k + 1)
     sample_source, opened = _open_inputs(samples, reference, minimum)
     check_resolution = functools.partial(_check_resolutions, sample_source, opened, allow_resolution_mismatch)
@@ -312,9 +313,10 @@ def _check_arguments(**values: Any) -> None:
             raise ValueError(f"{name} must be an integer >= {least[name]}, got {value!r}")
 
 
-def _check_extractor_choice(extractor: nn.Module | None, inception_weights: PathLike | None,
+def check_extractor_choice(extractor: nn.Module | None, inception_weights: PathLike | None,
                             random_inception_seed: int | None) -> None:
-    """At most one way to the feature network, and a seed ``torch.Generator`` accepts."""
+    """At most one way to the feature network, and a seed ``torch.Generator`` accepts (also
+    the sweep's check)."""
     given = [name for name, value in (("extractor", extractor), ("inception_weights", inception_weights),
                                       ("random_inception_seed", random_inception_seed)) if value is not None]
     if len(given) > 1:

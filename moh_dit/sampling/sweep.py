@@ -51,6 +51,7 @@ from ..evaluation import (
     ReferenceStatistics,
     build_random_inception,
     check_class_names,
+    check_extractor_choice,
     evaluate,
     extractor_identity,
     load_inception,
@@ -362,10 +363,7 @@ def _warm_up(pipe: MoHDiTPipeline, settings: SampleSettings, batch_size: int) ->
 
 
 def _resolve_extractor(extractor: nn.Module | None, settings: SweepSettings) -> nn.Module:
-    given = [name for name, value in (("extractor", extractor), ("inception_weights", settings.inception_weights),
-                                      ("random_inception_seed", settings.random_inception_seed)) if value is not None]
-    if len(given) > 1:
-        raise ValueError(f"pass at most one of extractor, inception_weights, random_inception_seed; got {given}.")
+    check_extractor_choice(extractor, settings.inception_weights, settings.random_inception_seed)
     if extractor is not None:
         return extractor
     if settings.random_inception_seed is not None:
