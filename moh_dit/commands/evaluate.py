@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.evaluation.classifier import load_classifier
 from moh_dit.evaluation import (
     ADM_SPLIT_SIZE,
@@ -145,6 +145,7 @@ def class_accuracy_inputs(args: argparse.Namespace) -> dict:
     return dict(classifier=classifier, labels=labels, class_map=class_map)
 
 
+@command
 def main(args: argparse.Namespace) -> dict:
     check_args(args)
     consistency = class_accuracy_inputs(args)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from moh_dit.utils.cli import ArgumentParser, run_cli
+from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.utils.logging import get_logger
 from moh_dit.diffusion.schedulers import SCHEDULERS
 from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS
@@ -149,6 +149,7 @@ def sampler_record(args: argparse.Namespace, pipe) -> dict[str, str]:
     return {"scheduler": scheduler, "guidance": guidance}
 
 
+@command
 def main(args: argparse.Namespace) -> int:
     check_args(args)
     settings = SampleSettings(

@@ -28,7 +28,7 @@ import os
 import sys
 import typing
 
-from moh_dit.utils.cli import ArgumentParser, EXPECTED_ERRORS, run_cli
+from moh_dit.utils.cli import ArgumentParser, EXPECTED_ERRORS, command, run_cli
 from moh_dit.utils.logging import get_logger
 from moh_dit.training import TrainConfig, TrainingDivergedError, preflight, train
 
@@ -97,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
+@command
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if args.dry_run:
