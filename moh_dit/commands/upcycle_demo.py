@@ -194,7 +194,7 @@ def _claim(args: argparse.Namespace, out: Path) -> None:
     stages are reused, so other settings would mix two demos)."""
     # Where the demo is, where the Inception weights are found and how much it prints do not
     # change its results.
-    settings = {k: v for k, v in vars(args).items() if k not in ("output_dir", "inception_weights", "verbosity")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("output_dir", "inception_weights", "verbosity", "debug")}
     path = out / SETTINGS_FILE
     if path.is_file():
         before = json.loads(path.read_text())
@@ -243,7 +243,7 @@ def main(args: argparse.Namespace) -> int:
         f.write(table)
     write_json_atomic(out / "upcycle_demo.json", {
         "features": network, "classifier_held_out_accuracy": ceiling, "rows": rows, "minutes": minutes,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("output_dir", "verbosity")}})
+        "settings": {k: v for k, v in vars(args).items() if k not in ("output_dir", "verbosity", "debug")}})
     logger.info(table)
     logger.info(f"done in {minutes:.1f} min: {out / 'upcycle_demo.md'}, {out / 'upcycle_demo.json'}")
     return 0

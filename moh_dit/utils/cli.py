@@ -5,6 +5,7 @@ into one line instead of a traceback."""
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import sys
 from types import FrameType
@@ -19,6 +20,25 @@ logger = get_logger(__name__)
 # Errors that mean bad input or a bad environment, which the message explains; anything
 # else is a bug and keeps its traceback.
 EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
+
+# Faults of the machine rather than of the code: a full disk, a quota, a read-only or failing
+# file system, a missing permission. Every command reports them in one line naming the path.
+ENVIRONMENT_ERRNOS = frozenset(getattr(errno, name) for name in
+                               ("ENOSPC", "EDQUOT", "EROFS", "EIO", "EACCES", "EPERM", "ENAMETOOLONG", "EMFILE",
+                                "ENFILE", "ENOTDIR", "EISDIR", "ENOLCK", "EXDEV") if hasattr(errno, name))
+
+
+def environment_fault(error: BaseException) -> str | None:
+    """The one-line message for an error of the machine (see ENVIRONMENT_ERRNOS, and running out
+    of memory), or None for any other error."""
+    if isinstance(error, MemoryError):
+        return ("out of memory" + (f" ({error})" if str(error) else "")
+                + "; use a smaller batch size or sample count, or a machine with more memory")
+    if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
+        text = error.strerror or str(error)
+        named = [str(f) for f in (error.filename, error.filename2) if f is not None and str(f) not in text]
+        return text + (f": {' -> '.join(named)}" if named else "")
+    return None
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -45,6 +65,8 @@ class ArgumentParser(argparse.ArgumentParser):
                                help="print only warnings and errors")
         verbosity.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const="debug",
                                help="also print debug messages")
+        self.add_argument("--debug", action="store_true",
+                          help="on an error, show the full traceback instead of the one-line message")
 
     def add_alias(self, alias: str, flag: str) -> None:
         """Let ``alias`` (``--name``, any spelling) stand for the existing ``flag``."""
@@ -102,13 +124,19 @@ def run_cli(
 ) -> int:
     """Parse ``argv`` (argparse's own usage errors exit with status 2) and run ``main`` at the
     level of ``--quiet`` / ``--verbose`` (the level from before is restored afterwards); return
-    its status if it returns an int, else 0. An expected error is logged as ``error: <message>``
-    on stderr and returns 1."""
+    its status if it returns an int, else 0. An expected error, or a fault of the machine (disk
+    full, out of memory, ...), is logged as ``error: <message>`` on stderr and returns 1;
+    ``--debug`` lets it raise with its traceback instead."""
     args = parse_args(argv)
     with verbosity(command_level(getattr(args, "verbosity", None))):
         try:
             status = main(args)
-        except errors as error:
-            logger.error("%s", error)
+        except (*errors, OSError, MemoryError) as error:
+            if getattr(args, "debug", False):
+                raise
+            message = str(error) if isinstance(error, errors) else environment_fault(error)
+            if message is None:
+                raise  # a bug: keep the traceback
+            logger.error("%s", message)
             return 1
     return status if isinstance(status, int) else 0

@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-__all__ = ["FileLockedError", "atomic_write", "current_umask", "lock_file", "publish_folder", "read_lock_info",
+__all__ = ["FileLockedError", "LinkRefusedError", "atomic_write", "current_umask", "lock_file", "publish_folder", "read_lock_info",
            "set_ordinary_permissions", "sha256_file", "write_bytes_atomic", "write_json_atomic", "write_lines_atomic",
            "write_lock_info"]
 
@@ -79,9 +79,20 @@ def set_ordinary_permissions(root: str | os.PathLike) -> None:
             os.chmod(path, _ordinary_mode(stat.S_ISDIR(mode), bool(mode & stat.S_IXUSR), umask))
 
 
+def naming_path(error: OSError, path: str | os.PathLike) -> OSError:
+    """``error`` as an OSError of the same errno whose message names ``path``: a failed
+    ``write`` (disk full, quota, I/O error) says which file it was writing, so the command's
+    one-line error can name it."""
+    if error.filename is not None or error.errno is None:
+        return error
+    return type(error)(error.errno, f"{os.strerror(error.errno)} while writing {path}", str(path))
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
-    """Open a temporary file beside ``path`` for writing; rename it to ``path`` on success."""
+    """Open a temporary file beside ``path`` for writing; rename it to ``path`` on success.
+    The rename replaces a symbolic link at ``path`` itself, never the file it points to. An
+    OSError while writing (disk full, say) names ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -89,9 +100,12 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         # mkstemp makes the file owner-only (0600); give it the mode an ordinary open() would.
         os.fchmod(fd, _ordinary_mode(False, False, current_umask()))
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+            try:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as error:
+                raise naming_path(error, path) from None
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -166,6 +180,10 @@ def sha256_file(path: str | os.PathLike, fsync: bool = False) -> str:
     return digest.hexdigest()
 
 
+class LinkRefusedError(FileExistsError):
+    """A lock or record file is a symbolic link: the package never writes through one."""
+
+
 class FileLockedError(BlockingIOError):
     """Another process holds the lock; ``holder`` is what it wrote into the lock file (or None)."""
 
@@ -182,18 +200,24 @@ def lock_file(path: str | os.PathLike, create: bool = True) -> int | None:
     for it are kept out) and, on network file systems without lock support, may only
     cover processes on the same machine. Opening an existing file does not change it;
     with ``create=False`` a missing file gives None (nothing is created). Raises
-    :class:`FileLockedError` when another process holds the lock, and OSError naming the
-    file when the file system refuses locks (ENOLCK).
+    :class:`FileLockedError` when another process holds the lock, :class:`LinkRefusedError`
+    when ``path`` is a symbolic link (the holder's details would be written through it into
+    whatever it points to), and OSError naming the file when the file system refuses locks.
     """
     import fcntl
 
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0), 0o644)
     except FileNotFoundError:
         if create:
             raise
         return None
+    except OSError as error:
+        if error.errno == errno.ELOOP:  # O_NOFOLLOW met a link (to a file, a folder or nothing)
+            raise LinkRefusedError(f"{path} is a symbolic link, and a lock file is never written through a link; "
+                                   "delete the link and run the command again") from None
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

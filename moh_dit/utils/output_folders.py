@@ -1,26 +1,70 @@
-"""Which output folder a dataset writer (the demo dataset, the latent cache) may create or replace.
+"""The rules every command that writes an output folder follows (docs/design.md, "Output folders").
 
-Both build their output in a temporary sibling and publish it with
-:func:`moh_dit.utils.io.publish_folder`; this is the check they run first, before any work:
-``--overwrite`` replaces only a folder the same writer made (or an empty one), never a file
-or an unrelated folder, and a file where a parent folder must be created is refused up front.
+- **One writer per output folder.** :func:`hold_output_folder` takes an operating-system lock
+  on ``.NAME.lock`` beside the folder for as long as the command writes it; a second command
+  writing the same folder stops at once, naming the holder. (Training keeps its own lock
+  inside the run folder, ``OUT/.lock``.) Lock files are never written through a link.
+- **Nothing deleted that the package did not write.** Every output folder gets a marker,
+  :data:`OUTPUT_MARKER`, saying which command wrote it; ``--overwrite`` replaces only a folder
+  with that marker (or one its writer recognises, or an empty one): :func:`check_output_folder`.
+- **Outputs never inside inputs.** :func:`check_outside_inputs` refuses an output folder that is,
+  lies inside, or contains one of the command's input folders.
+
+All checks run before any work and write nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import socket
+import sys
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, Mapping
 
-__all__ = ["check_folder_path", "check_output_folder"]
+from .io import FileLockedError, lock_file, write_json_atomic, write_lock_info
+
+__all__ = ["OUTPUT_MARKER", "OutputFolderBusyError", "check_folder_path", "check_outside_inputs",
+           "check_output_folder", "hold_output_folder", "is_package_output", "write_output_marker"]
+
+OUTPUT_MARKER = ".moh-dit-output.json"
 
 
-def check_output_folder(path: Path, overwrite: bool, is_ours: Callable[[Path], bool], what: str,
-                        named: str = "", flag: str = "--output-dir") -> None:
+class OutputFolderBusyError(FileExistsError):
+    """Another command is writing the output folder."""
+
+
+def write_output_marker(folder: str | os.PathLike, command: str) -> Path:
+    """Mark ``folder`` as written by ``moh-dit <command>``: what lets ``--overwrite`` replace it."""
+    from .. import __version__
+
+    return write_json_atomic(Path(folder) / OUTPUT_MARKER, {
+        "written_by": f"moh-dit {command}", "version": __version__,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S %z")})
+
+
+def is_package_output(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` carries the marker of a moh-dit command (a regular file, not a link)."""
+    marker = Path(folder) / OUTPUT_MARKER
+    if marker.is_symlink() or not marker.is_file():
+        return False
+    try:
+        info = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and str(info.get("written_by", "")).startswith("moh-dit ")
+
+
+def check_output_folder(path: Path, overwrite: bool, is_ours: Callable[[Path], bool] | None = None,
+                        what: str = "the output of a moh-dit command", named: str = "",
+                        flag: str = "--output-dir") -> None:
     """Refuse ``path`` unless it can be created, or it is a folder ``overwrite`` may replace:
-    empty, or recognised by ``is_ours``. ``what`` says what ``is_ours`` recognises, ``named``
-    (such as ``"--output-dir "``) comes before the path where messages name it, and ``flag``
-    is the option the advice tells to change. Nothing is written here."""
+    empty, marked by a moh-dit command (:data:`OUTPUT_MARKER`), or recognised by ``is_ours``
+    (outputs from before the marker). ``what`` says what is recognised, ``named`` (such as
+    ``"--output-dir "``) comes before the path where messages name it, and ``flag`` is the
+    option the advice tells to change. Nothing is written here."""
     shown = f"{named}{str(path)!r}"
     if path.exists() or path.is_symlink():
         if not path.is_dir():
@@ -29,7 +73,8 @@ def check_output_folder(path: Path, overwrite: bool, is_ours: Callable[[Path], b
             raise FileExistsError(
                 f"{str(path)!r} already exists; delete it, choose another {flag} or pass --overwrite"
             )
-        if not is_ours(path) and any(path.iterdir()):
+        ours = is_package_output(path) or (is_ours is not None and is_ours(path))
+        if not ours and any(path.iterdir()):
             # --overwrite replaces what this writer made; it never deletes an unrelated folder.
             raise FileExistsError(
                 f"--overwrite would replace {str(path)!r}, which is not {what}; choose another {flag}, "
@@ -54,3 +99,72 @@ def check_folder_path(path: str | os.PathLike, what: str, advice: str = "give a 
                 where = "is a file" if folder == path else f"lies under {folder}, which is a file"
                 raise error(f"{what} {path} {where}; {advice}.")
             return
+
+
+def _inside(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def check_outside_inputs(output: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None],
+                         output_flag: str = "--output-dir") -> None:
+    """Refuse an output folder that is, lies inside, or contains one of ``inputs`` (flag ->
+    path; None is skipped), comparing real paths (links resolved). What a command writes
+    must never become what it reads: sample grids turning into training images, a cache
+    replacing the data it was made from."""
+    out = Path(output).resolve()
+    for flag, source in inputs.items():
+        if source is None:
+            continue
+        src = Path(source).resolve()
+        if _inside(out, src) or _inside(src, out):
+            where = "is" if out == src else ("lies inside" if _inside(out, src) else "contains")
+            raise ValueError(f"{output_flag} {output} {where} {flag} {source}: a command never writes into what it "
+                             f"reads; choose an {output_flag} outside {flag}.")
+
+
+def _lock_path(folder: Path) -> Path:
+    return folder.parent / f".{folder.name}.lock"
+
+
+def _busy(folder: Path, flag: str, holder: dict | None, lock: Path) -> OutputFolderBusyError:
+    who = (f"{holder.get('command', 'a moh-dit command')}, pid {holder.get('pid')} on host {holder.get('host')}, "
+           f"started {holder.get('started')}" if holder else "holder unknown: it is just starting")
+    return OutputFolderBusyError(f"{flag} {folder} is being written by another command ({who}; lock {lock}). "
+                                 f"Wait for it to finish, or choose another {flag}.")
+
+
+@contextlib.contextmanager
+def hold_output_folder(folder: str | os.PathLike, command: str, flag: str = "--output-dir") -> Iterator[None]:
+    """Be the one writer of ``folder`` while the block runs (the folder need not exist yet).
+
+    The lock is ``.NAME.lock`` beside the folder, so it also covers writers that build the
+    folder elsewhere and publish it whole; the operating system releases it if the process
+    dies, and the file is removed when the block ends. A second writer gets
+    :class:`OutputFolderBusyError` naming the holder. Take it after the read-only checks and
+    before any work.
+    """
+    folder = Path(folder)
+    lock = _lock_path(folder.absolute().parent.resolve() / folder.name)  # one lock however it is spelled
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:
+            fd = lock_file(lock, create=True)
+        except FileLockedError as error:
+            raise _busy(folder, flag, error.holder, lock) from None
+        # The previous holder removes the file as it lets go: a lock taken on a file that is
+        # no longer at ``lock`` holds nothing; take the new one.
+        try:
+            same = os.fstat(fd).st_ino == os.lstat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        write_lock_info(fd, {"command": f"moh-dit {command}", "pid": os.getpid(), "host": socket.gethostname(),
+                             "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "argv": sys.argv})
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
+        os.close(fd)
