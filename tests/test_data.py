@@ -373,6 +373,23 @@ def test_folder_links_never_list_an_image_twice(tmp_path, link, target):
     assert ds.targets == [0, 0, 1]
 
 
+@pytest.mark.parametrize("link, target", [("b/up", ".."), ("b/deep/root", "../.."), ("b/top", "/")])
+def test_a_link_from_a_class_folder_to_the_data_folder_or_above_is_skipped(tmp_path, link, target):
+    """``up -> ..`` in a class folder leads back to the data folder: following it would list
+    every other class's images again under this class's label."""
+    from moh_dit.data.datasets import scan_image_files
+
+    root = tmp_path / "data"
+    _write_png(root / "a" / "x.png")
+    _write_png(root / "b" / "deep" / "y.png")
+    _write_png(root / "c" / "z.png")
+    (root / link).symlink_to(target, target_is_directory=True)
+    ds = ImageFolderDataset(root, 8)
+    assert [os.path.relpath(p, root) for p, _ in ds.samples] == ["a/x.png", "b/deep/y.png", "c/z.png"]
+    assert ds.targets == [0, 1, 2]
+    assert [os.path.relpath(p, root) for p in scan_image_files(root / "b")] == ["b/deep/y.png"]
+
+
 def test_links_to_folders_outside_the_tree_are_followed(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     _write_png(elsewhere / "e1.png")

@@ -133,8 +133,7 @@ def scan_image_files(root: str | os.PathLike) -> list[str]:
     def refuse(error: OSError) -> None:
         raise ValueError(f"cannot list folder {error.filename!r}: {error.strerror or error}; fix its permissions")
 
-    root_stat = os.stat(root_str)
-    visited = {(root_stat.st_dev, root_stat.st_ino)}
+    visited = _root_and_ancestors(root_str)
     found: list[tuple[str, str]] = []
     for dirpath, dirnames, filenames in os.walk(root_str, followlinks=True, onerror=refuse):
         kept = []
@@ -159,6 +158,20 @@ def scan_image_files(root: str | os.PathLike) -> list[str]:
     return [path for _, path in found]
 
 
+def _root_and_ancestors(root: str) -> set[tuple[int, int]]:
+    """``(st_dev, st_ino)`` of ``root`` and of every folder above it, along its path as given
+    and along its real path (links resolved): a scan never enters any of them again."""
+    keys = set()
+    for path in {Path(os.path.abspath(root)), Path(os.path.realpath(root))}:
+        for folder in (path, *path.parents):
+            try:
+                st = os.stat(folder)
+            except OSError:  # an ancestor that cannot be read cannot be entered either
+                continue
+            keys.add((st.st_dev, st.st_ino))
+    return keys
+
+
 def find_image_folder(root: str | os.PathLike) -> tuple[list[str], dict[str, int], list[tuple[str, int]]]:
     """Scan an ImageFolder tree: ``root/<class>/**/<image>``.
 
@@ -166,7 +179,7 @@ def find_image_folder(root: str | os.PathLike) -> tuple[list[str], dict[str, int
     in that order, as torchvision's ImageFolder) and ``samples`` a sorted list of
     ``(path, label)``. Hidden folders and files (names starting with ".") are ignored. Each
     class folder is scanned with :func:`scan_image_files` (links to folders followed, no
-    folder entered twice within a class). Raises ValueError, naming the problem, when the
+    folder entered twice within a class, never the data folder or a folder above it). Raises ValueError, naming the problem, when the
     root is missing, has no class folders, or a class folder holds no image -- before any
     image is decoded.
     """
