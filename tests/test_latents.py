@@ -62,9 +62,9 @@ def test_cache_layout_and_dataset(cache, image_dir, vae_dir):
     shard = np.load(cache / "shard_00000.npy", mmap_mode="r")
     assert isinstance(shard, np.memmap) and shard.shape == (3, 2, 2, 4, 4, 4)
     # Only the finished files remain: no markers, temporaries or partial folder.
-    assert sorted(p.name for p in cache.iterdir()) == ["files.json", "index.json", "labels.npy"] + [
-        f"shard_0000{k}.npy" for k in range(3)
-    ]
+    assert sorted(p.name for p in cache.iterdir()) == [".moh-dit-output.json", "files.json", "index.json",
+                                                       "labels.npy"] + [f"shard_0000{k}.npy" for k in range(3)]
+    assert json.loads((cache / ".moh-dit-output.json").read_text())["written_by"] == "moh-dit extract-latents"
     assert sorted(p.name for p in cache.parent.iterdir()) == ["latents"]
 
     ds = LatentDataset(cache)
@@ -231,6 +231,7 @@ def latent_inputs(tmp_path, image_dir, vae_dir):
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "existing").mkdir()
     (tmp_path / "existing" / "notes.txt").write_text("mine")
+    (tmp_path / "alias").symlink_to(tmp_path / "data", target_is_directory=True)
     return {
         "--data-dir": tmp_path / "data", "--vae": vae_dir, "--image-size": str(SIZE), "--output-dir": tmp_path / "out",
         "--num-workers": "0", "--device": "cpu",
@@ -255,8 +256,12 @@ def latent_inputs(tmp_path, image_dir, vae_dir):
         ({"--output-dir": "{tmp}/existing"}, ["--overwrite"], "not a latent cache"),
         ({"--output-dir": "{tmp}/a_file"}, ["--overwrite"], "exists and is not a folder"),
         ({"--output-dir": "{tmp}/a_file/cache"}, [], "is a file"),
-        ({"--output-dir": "{tmp}/data/cache"}, [], "overlap"),
-        ({"--output-dir": "{tmp}"}, ["--overwrite"], "overlap"),
+        ({"--output-dir": "{tmp}/data/cache"}, [], "--output-dir .*data/cache lies inside --data-dir"),
+        ({"--output-dir": "{tmp}/data"}, ["--overwrite"], "--output-dir .*data is --data-dir"),
+        ({"--output-dir": "{tmp}"}, ["--overwrite"], "--output-dir .* contains --data-dir"),
+        ({"--output-dir": "{tmp}/alias/cache"}, [], "lies inside --data-dir"),  # through a link
+        ({"--batch-size": "1000000000000"}, [], r"--batch-size 1000000000000 at --image-size 32 needs about .* of "
+                                                r"memory.*use a smaller --batch-size"),
         ({"--vae": "{tmp}/no-vae"}, [], "cannot load an AutoencoderKL"),
         ({"--device": "gpu"}, [], "--device must be cpu, cuda or cuda:N"),
         ({"--on-corrupt": "ignore"}, [], "invalid choice"),
@@ -267,3 +272,59 @@ def latent_inputs(tmp_path, image_dir, vae_dir):
 def test_extract_latents_script_refuses_bad_flags(tmp_path, latent_inputs, refuses, change, extra, match):
     flags = {**latent_inputs, **{k: v.format(tmp=tmp_path) for k, v in change.items()}}
     refuses("extract_latents", [item for pair in flags.items() for item in pair] + extra, match)
+
+
+def test_a_cache_inside_the_vae_folder_is_refused(tmp_path, image_dir, tiny_vae, refuses):
+    vae = tmp_path / "vae"
+    tiny_vae(levels=4, sample_size=SIZE).save_pretrained(vae)
+    argv = ["--data-dir", image_dir, "--vae", vae, "--image-size", SIZE, "--output-dir", vae / "cache",
+            "--num-workers", 0, "--device", "cpu"]
+    refuses("extract_latents", argv, r"--output-dir .*vae/cache lies inside --vae")
+
+
+def test_a_second_extraction_into_the_same_folder_is_refused(tmp_path, image_dir, vae_dir, refuses):
+    from moh_dit.utils.output_folders import hold_output_folder
+
+    out = tmp_path / "latents"
+    argv = ["--data-dir", image_dir, "--vae", vae_dir, "--image-size", SIZE, "--output-dir", out,
+            "--num-workers", 0, "--device", "cpu"]
+    with hold_output_folder(out, "extract-latents", "--output-dir"):
+        refuses("extract_latents", argv, r"--output-dir .*latents is being written by another command "
+                                         r"\(moh-dit extract-latents, pid \d+")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_overwrite_replaces_marked_and_older_unmarked_caches(cache, image_dir, vae_dir, tmp_path):
+    """--overwrite recognises a cache by its marker, and one from before markers by its index."""
+    out = tmp_path / "latents"
+    shutil.copytree(cache, out)
+    (out / ".moh-dit-output.json").unlink()  # as a cache from before markers
+    kwargs = dict(batch_size=8, num_workers=0, device="cpu", progress=False)
+    extract_latents(image_dir, vae_dir, out, SIZE, overwrite=True, dtype="float16", **kwargs)
+    assert json.loads((out / "index.json").read_text())["dtype"] == "float16"
+    extract_latents(image_dir, vae_dir, out, SIZE, overwrite=True, **kwargs)  # marked now
+    assert json.loads((out / "index.json").read_text())["dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latents"]  # no lock, partial or old folder left
+
+
+def test_the_cache_gets_the_permissions_the_umask_gives(image_dir, vae_dir, tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        out = extract_latents(image_dir, vae_dir, tmp_path / "latents", SIZE, batch_size=8, num_workers=0,
+                              device="cpu", progress=False)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    files = list(out.iterdir())
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in files)
+
+
+def test_a_local_vae_is_recorded_by_its_absolute_path(image_dir, vae_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(vae_dir.parent)
+    out = extract_latents(image_dir, vae_dir.name, tmp_path / "latents", SIZE, batch_size=8, num_workers=0,
+                          device="cpu", progress=False)
+    index = json.loads((out / "index.json").read_text())
+    assert index["vae"] == str(vae_dir.absolute()) and index["image_size"] == SIZE

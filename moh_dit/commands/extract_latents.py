@@ -8,7 +8,9 @@
 
 Stores the VAE posterior's mean and std of every image, plain and horizontally flipped,
 so training from the cache (moh_dit.data.latents.LatentDataset) sees the same distribution as
-training from images. Rerun the same command to resume an interrupted extraction.
+training from images. Rerun the same command to resume an interrupted extraction; one
+extraction at a time writes an --output-dir, which never lies inside --data-dir. The cache
+records the image size and the VAE, which moh-dit train --latents-dir takes from it.
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> None:
     """The numeric flags and the device, before the folder is scanned or the VAE loaded.
 
-    Folders are checked by extract_latents itself (data folder layout, --output-dir that exists
-    without --overwrite, is a file, is not a latent cache, or overlaps --data-dir), also before
-    any work.
+    Folders and sizes are checked by extract_latents itself, also before any work: the data
+    folder's layout; an --output-dir that exists without --overwrite, is a file, is not a latent
+    cache, or is, lies inside or contains --data-dir or a local --vae folder; a --batch-size
+    that cannot fit in memory. It then holds the output folder (a second extraction into it
+    stops at once) and marks the finished cache as written by moh-dit extract-latents.
     """
     for flag, value, least in (("--image-size", args.image_size, 1), ("--batch-size", args.batch_size, 1),
                                ("--shard-size", args.shard_size, 1), ("--num-workers", args.num_workers, 0)):  # fmt: skip

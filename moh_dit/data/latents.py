@@ -8,7 +8,8 @@ still flip with probability 1/2 and draw a fresh ``z = mean + std * eps`` each t
 
 Layout of a cache folder::
 
-    index.json            format, version, shapes, dtype, VAE id, scaling factor, class map, shards
+    index.json            format, version, shapes, dtype, image size, VAE id, scaling factor, class map, shards
+    .moh-dit-output.json  the marker of moh-dit extract-latents (what --overwrite may replace)
     labels.npy            int64 (N,)
     files.json            source image of every cached sample, relative to the data folder
     shard_00000.npy ...   (n, 2, 2, C, h, w): [sample, view (plain, flipped), stat (mean, std)]
@@ -16,7 +17,13 @@ Layout of a cache folder::
 Shards are plain ``.npy`` files opened with ``np.load(mmap_mode="r")``. Extraction writes
 into ``.<output>.partial`` beside the output and renames it when complete; each shard is
 committed (renamed, then its ``.json`` marker written) as soon as it is done, so a rerun of
-the same command after an interruption continues with the first missing shard.
+the same command after an interruption continues with the first missing shard. One
+extraction at a time writes an output folder (a lock ``.<output>.lock`` beside it), the
+output never lies inside the data folder or the VAE's, and a cache never replaces anything
+but an earlier cache.
+
+A cache records the image size and the VAE it was made at and with; training on it takes
+both from the cache (``read_cache_index``).
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ from .datasets import (
 )
 from ..utils.io import publish_folder, write_json_atomic
 from ..utils.logging import get_logger
-from ..utils.output_folders import check_output_folder
+from ..utils.output_folders import check_output_folder, check_outside_inputs, hold_output_folder, write_output_marker
+from ..utils.resources import check_fits_in_memory
 
 __all__ = [
     "LATENT_FORMAT",
@@ -55,6 +63,7 @@ __all__ = [
     "encode_distribution",
     "extract_latents",
     "load_vae",
+    "read_cache_index",
     "vae_downsample_factor",
 ]
 
@@ -108,6 +117,27 @@ def encode_distribution(vae, images: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 def _vae_id(vae) -> str:
     return str(getattr(vae.config, "_name_or_path", "") or "")
+
+
+def _local_vae_folder(vae: Any, subfolder: str | None) -> Path | None:
+    """The folder holding a local VAE's config.json, or None (a hub id, or a loaded VAE)."""
+    if not isinstance(vae, (str, os.PathLike)) or not Path(vae).is_dir():
+        return None
+    folder = Path(vae) / subfolder if subfolder else Path(vae)
+    return folder if (folder / "config.json").is_file() else None
+
+
+def _check_factor_early(vae: Any, subfolder: str | None, image_size: int) -> None:
+    """``image_size`` against a local VAE's downsampling, read from its config.json before the
+    VAE is loaded (a hub VAE is checked once loaded)."""
+    folder = _local_vae_folder(vae, subfolder)
+    try:
+        channels = json.loads((folder / "config.json").read_text(encoding="utf-8"))["block_out_channels"]
+    except (TypeError, OSError, ValueError, KeyError):
+        return
+    factor = 2 ** (len(channels) - 1) if isinstance(channels, list) and channels else None
+    if factor and image_size % factor:
+        raise ValueError(f"image_size {image_size} is not a multiple of the VAE's downsampling factor {factor}")
 
 
 # --------------------------------------------------------------------------------------
@@ -178,41 +208,56 @@ def extract_latents(
             info level (shown by ``moh-dit extract-latents``, not to a Python caller).
 
     Rerunning the same call after an interruption resumes from the completed shards.
-    Returns the path of the finished cache. Every argument is checked before the VAE is
-    loaded or anything is written.
+    Returns the path of the finished cache, which carries the marker of ``moh-dit
+    extract-latents``. Every argument is checked before the VAE is loaded or anything is
+    written: ``output_dir`` must not be, lie inside or contain ``data_dir`` (or a local VAE
+    folder), and one batch must fit in the available memory. While the extraction runs it
+    holds ``.NAME.lock`` beside ``output_dir``: a second extraction into it stops at once.
     """
     _check_arguments(on_corrupt, dtype, image_size, batch_size, shard_size, num_workers)
     data_dir, output_dir = Path(data_dir), Path(output_dir)
+    vae_folder = _local_vae_folder(vae, vae_subfolder)
+    check_outside_inputs(output_dir, {"--data-dir": data_dir, "--vae": vae_folder})
     classes, class_to_idx, samples = find_image_folder(data_dir)
-    _check_output_dir(data_dir, output_dir, overwrite)
+    _check_output_dir(output_dir, overwrite)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device} but CUDA is not available; use --device cpu")
-    vae = _ready_vae(vae, vae_subfolder, device)
-    factor = vae_downsample_factor(vae)
-    if image_size % factor:
-        raise ValueError(f"image_size {image_size} is not a multiple of the VAE's downsampling factor {factor}")
-    settings = {
-        "format": LATENT_FORMAT,
-        "version": _VERSION,
-        "image_size": image_size,
-        "dtype": dtype,
-        "shard_size": shard_size,
-        "vae": _vae_id(vae),
-        "vae_subfolder": vae_subfolder,
-        "vae_config": json.loads(json.dumps(dict(vae.config), default=str)),
-        "files": hashlib.sha256("\n".join(f"{os.path.relpath(p, data_dir)}\t{y}" for p, y in samples).encode()).hexdigest(),
-    }
-    latent_shape = [int(vae.config.latent_channels), image_size // factor, image_size // factor]
-    job = _ShardJob(vae=vae, samples=samples, partial=_open_partial(output_dir, settings), image_size=image_size,
-                    latent_shape=latent_shape, np_dtype=np.dtype(dtype), shard_size=shard_size, batch_size=batch_size,
-                    num_workers=num_workers, device=device, on_corrupt=on_corrupt)
-    start = time.perf_counter()
-    encoded = _encode_missing_shards(job, progress)
-    index = _write_index(job, data_dir, classes, class_to_idx, settings)
-    with publish_folder(output_dir, replace=True) as tmp:  # _check_output_dir refused what may not be replaced
-        os.replace(job.partial, tmp)  # the finished cache takes the empty temporary folder's place
+    _check_factor_early(vae, vae_subfolder, image_size)
+    # One batch of images, plain and flipped, as float32 on the host: a lower bound of what
+    # the encoder's input takes (its activations take more).
+    check_fits_in_memory(batch_size * 2 * 3 * image_size**2 * 4, f"--batch-size {batch_size} at --image-size "
+                         f"{image_size}", "use a smaller --batch-size")
+    # A local VAE is recorded by its absolute path, so that training finds it from any folder.
+    local_vae = str(Path(vae).absolute()) if vae_folder is not None else None
+    with hold_output_folder(output_dir, "extract-latents", "--output-dir"):
+        _check_output_dir(output_dir, overwrite)  # another extraction may have finished it meanwhile
+        vae = _ready_vae(vae, vae_subfolder, device)
+        factor = vae_downsample_factor(vae)
+        if image_size % factor:
+            raise ValueError(f"image_size {image_size} is not a multiple of the VAE's downsampling factor {factor}")
+        settings = {
+            "format": LATENT_FORMAT,
+            "version": _VERSION,
+            "image_size": image_size,
+            "dtype": dtype,
+            "shard_size": shard_size,
+            "vae": _vae_id(vae),
+            "vae_subfolder": vae_subfolder,
+            "vae_config": json.loads(json.dumps(dict(vae.config), default=str)),
+            "files": hashlib.sha256("\n".join(f"{os.path.relpath(p, data_dir)}\t{y}" for p, y in samples).encode()).hexdigest(),
+        }
+        latent_shape = [int(vae.config.latent_channels), image_size // factor, image_size // factor]
+        job = _ShardJob(vae=vae, samples=samples, partial=_open_partial(output_dir, settings), image_size=image_size,
+                        latent_shape=latent_shape, np_dtype=np.dtype(dtype), shard_size=shard_size,
+                        batch_size=batch_size, num_workers=num_workers, device=device, on_corrupt=on_corrupt)
+        start = time.perf_counter()
+        encoded = _encode_missing_shards(job, progress)
+        index = _write_index(job, data_dir, classes, class_to_idx, {**settings, "vae": local_vae or settings["vae"]})
+        with publish_folder(output_dir, replace=True) as tmp:  # _check_output_dir refused what may not be replaced
+            os.replace(job.partial, tmp)  # the finished cache takes the empty temporary folder's place
+            write_output_marker(tmp, "extract-latents")
     elapsed = time.perf_counter() - start
     rate = f", {encoded / elapsed:.1f} images/s" if encoded and elapsed > 0 else ""
     logger.info(f"cached {index['num_samples']} latents of shape {job.latent_shape} to {output_dir}{rate}; "
@@ -359,14 +404,9 @@ def _is_latent_cache(path: Path) -> bool:
         return False
 
 
-def _check_output_dir(data_dir: Path, output_dir: Path, overwrite: bool) -> None:
-    """Refuse outputs that would mix with or destroy something else; nothing is written here."""
-    data_real, out_real = data_dir.resolve(), output_dir.resolve()
-    if out_real == data_real or data_real in out_real.parents or out_real in data_real.parents:
-        raise ValueError(
-            f"--output-dir {str(output_dir)!r} and --data-dir {str(data_dir)!r} overlap; put the cache "
-            "in a folder outside the data folder"
-        )
+def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
+    """Refuse outputs that would destroy something else; nothing is written here (the data
+    folder and the VAE are kept apart by ``check_outside_inputs``)."""
     check_output_folder(output_dir, overwrite, _is_latent_cache,
                         f"a latent cache (no {_INDEX} of format {LATENT_FORMAT!r})", named="--output-dir ")
     partial = _partial_dir(output_dir)
@@ -445,6 +485,27 @@ def _fill_shard(job: _ShardJob, loader: DataLoader, tmp: Path, capacity: int) ->
 # --------------------------------------------------------------------------------------
 
 
+def read_cache_index(root: str | os.PathLike) -> dict[str, Any]:
+    """The ``index.json`` of the latent cache at ``root``, or ValueError saying what it is not:
+    shapes, classes, shards, and what the cache was made at and with (``image_size``, ``vae``,
+    ``vae_subfolder``, ``scaling_factor``, ``shift_factor``)."""
+    index_path = Path(root) / _INDEX
+    if not index_path.is_file():
+        raise ValueError(f"{str(root)!r} is not a latent cache (no {_INDEX}); create one with moh-dit extract-latents")
+    try:
+        meta = json.loads(index_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{str(index_path)!r} is unreadable ({type(error).__name__}: {error}); make the cache "
+                         "again with moh-dit extract-latents") from None
+    if not isinstance(meta, dict) or meta.get("format") != LATENT_FORMAT or meta.get("version") != _VERSION:
+        meta = meta if isinstance(meta, dict) else {}
+        raise ValueError(
+            f"{str(index_path)!r} has format {meta.get('format')!r} version {meta.get('version')!r}; "
+            f"this code reads {LATENT_FORMAT!r} version {_VERSION}"
+        )
+    return meta
+
+
 class LatentDataset(Dataset):
     """Training items ``(latent, label)`` from a latent cache.
 
@@ -466,17 +527,7 @@ class LatentDataset(Dataset):
         self, root: str | os.PathLike, *, random_flip: bool = True, seed: int = 0, sample_posterior: bool = True
     ):
         self.root = Path(root)
-        index_path = self.root / _INDEX
-        if not index_path.is_file():
-            raise ValueError(
-                f"{str(self.root)!r} is not a latent cache (no {_INDEX}); create one with moh-dit extract-latents"
-            )
-        meta = json.loads(index_path.read_text())
-        if meta.get("format") != LATENT_FORMAT or meta.get("version") != _VERSION:
-            raise ValueError(
-                f"{str(index_path)!r} has format {meta.get('format')!r} version {meta.get('version')!r}; "
-                f"this code reads {LATENT_FORMAT!r} version {_VERSION}"
-            )
+        meta = read_cache_index(self.root)
         self.meta = meta
         self.classes: list[str] = meta["classes"]
         self.class_to_idx: dict[str, int] = meta["class_to_idx"]
