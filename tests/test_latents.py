@@ -1,5 +1,6 @@
 import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -328,3 +329,33 @@ def test_a_local_vae_is_recorded_by_its_absolute_path(image_dir, vae_dir, tmp_pa
                           device="cpu", progress=False)
     index = json.loads((out / "index.json").read_text())
     assert index["vae"] == str(vae_dir.absolute()) and index["image_size"] == SIZE
+
+
+def test_a_full_disk_is_one_line_naming_the_shard_and_a_rerun_resumes(image_dir, vae_dir, tmp_path, load_script,
+                                                                       monkeypatch, capsys):
+    import errno
+    import os
+
+    out = tmp_path / "latents"
+    argv = ["--data-dir", str(image_dir), "--vae", str(vae_dir), "--image-size", str(SIZE), "--output-dir", str(out),
+            "--shard-size", "4", "--batch-size", "4", "--num-workers", "0", "--device", "cpu", "--quiet"]
+    real = os.posix_fallocate
+    calls = []
+
+    def full_at_second_shard(fd, offset, length):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", full_at_second_shard)
+    capsys.readouterr()
+    assert load_script("extract_latents").cli(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert re.search(r"error: No space left on device while writing .*\.latents\.partial/shard_00001\.tmp\.npy", err)
+    partial = tmp_path / ".latents.partial"
+    assert sorted(p.name for p in partial.iterdir()) == ["progress.json", "shard_00000.json", "shard_00000.npy"]
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    assert load_script("extract_latents").cli(argv) == 0
+    assert len(LatentDataset(out)) == 8 and sorted(p.name for p in tmp_path.iterdir()) == ["latents"]

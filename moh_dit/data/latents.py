@@ -28,6 +28,7 @@ both from the cache (``read_cache_index``).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -52,7 +53,7 @@ from .datasets import (
     item_rng,
     load_image,
 )
-from ..utils.io import publish_folder, write_json_atomic
+from ..utils.io import naming_path, publish_folder, write_json_atomic
 from ..utils.logging import get_logger
 from ..utils.output_folders import check_output_folder, check_outside_inputs, hold_output_folder, write_output_marker
 from ..utils.resources import check_fits_in_memory
@@ -365,7 +366,10 @@ def _write_index(job: _ShardJob, data_dir: Path, classes: list[str], class_to_id
         skipped += [os.path.relpath(samples[i][0], data_dir) for i in meta["skipped"]]
     if not labels:
         raise CorruptImageError(f"none of the {len(samples)} images in {str(data_dir)!r} could be read")
-    np.save(job.partial / "labels.npy", np.asarray(labels, dtype=np.int64))
+    try:
+        np.save(job.partial / "labels.npy", np.asarray(labels, dtype=np.int64))
+    except OSError as error:  # a full disk: say which file
+        raise naming_path(error, job.partial / "labels.npy") from None
     write_json_atomic(job.partial / "files.json", files)
     vae_config = job.vae.config
     index = {
@@ -429,6 +433,9 @@ def _extract_shard(job: _ShardJob, k: int) -> int:
     tmp = job.shard(k, ".tmp.npy")
     try:
         kept, skipped, n = _fill_shard(job, loader, tmp, len(indices))
+    except OSError as error:  # a full disk (or an unreadable image, which names itself)
+        tmp.unlink(missing_ok=True)
+        raise naming_path(error, tmp) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -440,10 +447,27 @@ def _extract_shard(job: _ShardJob, k: int) -> int:
     return n
 
 
+def _reserve(path: Path) -> None:
+    """Allocate a new memory-mapped file's blocks now. Writing through the map into a sparse
+    file on a full disk kills the process (SIGBUS) with no word of the file; allocated up
+    front, a full disk is an OSError (ENOSPC) naming it, before any image is encoded."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as error:
+        if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOSYS", -1)):
+            raise naming_path(error, path) from None  # file systems without it keep the sparse file
+    finally:
+        os.close(fd)
+
+
 def _fill_shard(job: _ShardJob, loader: DataLoader, tmp: Path, capacity: int) -> tuple[list[int], list[int], int]:
     """Encode the loader's images into ``tmp`` (plain and flipped view, mean and std); returns
     the dataset indices kept and skipped, and how many rows were filled."""
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=job.np_dtype, shape=(capacity, 2, 2, *job.latent_shape))
+    _reserve(tmp)
     kept, skipped, n = [], [], 0
     batches = iter(loader)
     error = None
