@@ -25,6 +25,7 @@ from diffusers.utils import BaseOutput
 from torch import nn
 
 from .attention import MoHAttention, MoHAttnProcessor, MoHRouting
+from .config_checks import check_transformer_config
 from .fast_paths import SparseInferencePolicy
 from .layout import HeadLayout, min_top_k, top_k_for_ratio
 from .presets import get_preset
@@ -179,8 +180,12 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin, AttentionMixin):
         super().__init__()
         if not (isinstance(label_embedding_init_std, (int, float)) and label_embedding_init_std >= 0):
             raise ValueError(f"label_embedding_init_std must be a number >= 0, got {label_embedding_init_std!r}.")
-        if sample_size % patch_size:
-            raise ValueError(f"sample_size={sample_size} is not divisible by patch_size={patch_size}.")
+        check_transformer_config(dict(
+            sample_size=sample_size, patch_size=patch_size, in_channels=in_channels, out_channels=out_channels,
+            learn_sigma=learn_sigma, hidden_size=hidden_size, num_layers=num_layers,
+            num_attention_heads=num_attention_heads, attention_head_dim=attention_head_dim,
+            num_shared_heads=num_shared_heads, top_k=top_k, mlp_ratio=mlp_ratio, num_classes=num_classes,
+            class_dropout_prob=class_dropout_prob, norm_eps=norm_eps))
         if class_names is not None and len(class_names) != num_classes:
             raise ValueError(f"class_names has {len(class_names)} entries but num_classes={num_classes}.")
         self.layout = HeadLayout.parse(num_layers, num_attention_heads, num_shared_heads, top_k)
