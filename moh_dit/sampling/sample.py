@@ -25,26 +25,29 @@ and it restores the model's per-layer top-K on exit, also on error.
 from __future__ import annotations
 
 import dataclasses
+from collections import abc
 import json
 import math
 import numbers
 import os
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
-import PIL.Image
 import torch
 from tqdm.auto import tqdm
 
 from ..models.head_activation import head_activation, preview_head_activation
-from ..utils.io import atomic_write, write_json_atomic
+from ..utils.io import write_json_atomic
 from ..data.latents import load_vae
-from ..utils.output_folders import check_folder_path
+from ..utils.output_folders import check_folder_path, write_output_marker
+from .sample_files import (IMAGE_DIR, NPZ_FILE, SETTINGS_FILE, DamagedSampleError, check_sample_folder,
+                           existing_indices, intact_png, missing_batches, missing_indices, png_path,
+                           save_png_atomic, write_adm_npz)
 from ..diffusion.schedulers import SCHEDULERS, make_scheduler
 from ..pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SEED_RANGE, MoHDiTPipeline
+from ..models.config_checks import check_transformer_config_file
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 from ..utils.logging import get_logger
 
@@ -53,7 +56,11 @@ logger = get_logger(__name__)
 __all__ = [
     "CLASS_LABEL_MODES",
     "DTYPES",
+    "ClassLabels",
+    "DamagedSampleError",
     "SampleSettings",
+    "check_sample_folder",
+    "remake_image",
     "class_labels_for",
     "indices_for_rank",
     "png_path",
@@ -75,9 +82,6 @@ __all__ = [
 ]
 
 CLASS_LABEL_MODES = ("balanced", "uniform")
-SETTINGS_FILE = "sample_config.json"
-IMAGE_DIR = "samples"
-NPZ_FILE = "samples.npz"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -149,6 +153,25 @@ def class_labels_for(indices: Iterable[int], num_classes: int, mode: str = "bala
     raise ValueError(f"class label mode {mode!r}; choose one of {CLASS_LABEL_MODES}.")
 
 
+class ClassLabels(abc.Sequence):
+    """The class labels of images ``0 .. num_samples - 1`` of a run, computed when read (an int or
+    a slice at a time), so that a run of any size never holds one Python object per image."""
+
+    def __init__(self, num_samples: int, num_classes: int, mode: str = "balanced", seed: int = 0):
+        if mode not in CLASS_LABEL_MODES:
+            raise ValueError(f"class label mode {mode!r}; choose one of {CLASS_LABEL_MODES}.")
+        self.num_samples, self.num_classes, self.mode, self.seed = num_samples, num_classes, mode, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, item):
+        if isinstance(item, slice):
+            return class_labels_for(range(self.num_samples)[item], self.num_classes, self.mode, self.seed)
+        index = range(self.num_samples)[item]  # IndexError outside the run, negative indices from the end
+        return class_labels_for([index], self.num_classes, self.mode, self.seed)[0]
+
+
 def indices_for_rank(num_samples: int, rank: int, world_size: int) -> list[int]:
     """The indices process ``rank`` owns: ``i = rank (mod world_size)``. Ownership does not
     depend on what exists on disk, so processes never race for an index after a resume."""
@@ -157,74 +180,10 @@ def indices_for_rank(num_samples: int, rank: int, world_size: int) -> list[int]:
     return list(range(rank, num_samples, world_size))
 
 
-def png_path(output: str | os.PathLike, index: int) -> Path:
-    return Path(output) / IMAGE_DIR / f"{index:06d}.png"
-
-
-def missing_indices(output: str | os.PathLike, indices: Iterable[int]) -> list[int]:
-    """The indices among ``indices`` that have no finished PNG yet."""
-    return [i for i in indices if not png_path(output, i).is_file()]
-
-
 def quantize_dit(images: torch.Tensor) -> np.ndarray:
     """(B, C, H, W) images in [-1, 1] -> (B, H, W, C) uint8, DiT's exact rule
     ``clamp(127.5 x + 128, 0, 255)`` truncated to an integer (sample_ddp.py)."""
     return torch.clamp(127.5 * images.float() + 128.0, 0, 255).permute(0, 2, 3, 1).to("cpu", dtype=torch.uint8).numpy()
-
-
-def save_png_atomic(path: str | os.PathLike, image: np.ndarray) -> None:
-    """Write a (H, W, C) uint8 image so that ``path`` either does not exist or is complete."""
-    array = image[..., 0] if image.shape[-1] == 1 else image
-    with atomic_write(path) as f:
-        PIL.Image.fromarray(array).save(f, format="PNG")
-
-
-def write_adm_npz(output: str | os.PathLike, num_samples: int, path: str | os.PathLike | None = None,
-                  labels: Sequence[int] | None = None) -> Path:
-    """Stream PNGs ``0 .. num_samples-1`` of ``output`` into an ADM-format ``.npz``.
-
-    The file holds ``arr_0`` (uint8, (N, H, W, 3)) as the ADM evaluator and DiT's
-    sample_ddp.py expect and, when ``labels`` are given (one per image), ``arr_1`` (int64,
-    (N,)): ADM's convention for class-conditional samples, which the class-accuracy metric
-    reads. The ``.npy`` member is written image by image into an uncompressed
-    (ZIP64) archive, so memory stays at one image whatever N is (50k 256px images are
-    ~9.8 GB). Written to a temporary name and renamed. Returns the path.
-    """
-    output = Path(output)
-    path = Path(path) if path is not None else output / NPZ_FILE
-    if labels is not None and len(labels) != num_samples:
-        raise ValueError(f"{len(labels)} labels for {num_samples} images; give one label per image")
-    missing = missing_indices(output, range(num_samples))
-    if missing:
-        raise FileNotFoundError(
-            f"{len(missing)} of {num_samples} PNGs are missing in {output / IMAGE_DIR} (first: {missing[0]:06d}.png); "
-            "finish sampling (run the same command again) before writing the .npz."
-        )
-    with PIL.Image.open(png_path(output, 0)) as first:
-        shape = np.asarray(first).shape
-    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False,
-              "shape": (num_samples, *shape)}
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
-            with archive.open("arr_0.npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array_header_1_0(member, header)
-                for i in range(num_samples):
-                    with PIL.Image.open(png_path(output, i)) as image:
-                        array = np.asarray(image)
-                    if array.shape != shape or array.dtype != np.uint8:
-                        raise ValueError(
-                            f"{png_path(output, i)} is {array.shape} {array.dtype}, but image 0 is {shape} uint8; "
-                            "the folder mixes runs."
-                        )
-                    member.write(np.ascontiguousarray(array).tobytes())
-            if labels is not None:
-                with archive.open("arr_1.npy", "w", force_zip64=True) as member:
-                    np.lib.format.write_array(member, np.asarray(labels, dtype=np.int64))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 # --------------------------------------------------------------------------------------
@@ -266,6 +225,8 @@ def load_pipeline(
         if scheduler in (None, "saved") and clip_sample is not None:
             raise ValueError("clip_sample applies to a scheduler built here; the saved scheduler keeps its own "
                              "clipping. Leave clip_sample out, or pass scheduler='ddpm'|'ddim'.")
+        if (model / "transformer" / "config.json").is_file():
+            check_transformer_config_file(model / "transformer")
         pipe = MoHDiTPipeline.from_pretrained(model)
         if vae is not None:
             pipe = MoHDiTPipeline(transformer=pipe.transformer, scheduler=pipe.scheduler, vae=_load_vae(vae),
@@ -273,6 +234,7 @@ def load_pipeline(
     elif (model / "config.json").is_file():
         if scheduler == "saved":
             raise ValueError(f"{model} is a transformer folder with no saved scheduler; use --scheduler ddpm|ddim|dpm.")
+        check_transformer_config_file(model)  # one line naming config.json and the field, before building
         transformer = MoHDiTTransformer2DModel.from_pretrained(model)
         channels = transformer.config.in_channels
         if channels not in (1, 3) and (vae is None or vae.lower() == "none"):
@@ -344,7 +306,9 @@ def _holds_samples(output: Path) -> bool:
 def check_or_write_settings(
     output: str | os.PathLike, identity: dict[str, Any], run_info: dict[str, Any]
 ) -> str | None:
-    """Write ``sample_config.json`` beside the output, or check a resumed run against it.
+    """Write ``sample_config.json`` and the output marker into the output folder, or check a
+    resumed run against the settings file. A folder holding files ``moh-dit sample`` did not
+    write is refused (:func:`~moh_dit.sampling.sample_files.check_sample_folder`).
 
     Resuming with different settings would mix two sample sets in one folder, so any
     difference in ``identity`` raises (with the differing keys); ``run_info`` (batch size,
@@ -356,6 +320,7 @@ def check_or_write_settings(
     output = Path(output)
     path = output / SETTINGS_FILE
     _check_output_folder(output)
+    check_sample_folder(output)
     note = None
     if path.is_file():
         try:
@@ -373,6 +338,7 @@ def check_or_write_settings(
             note = (f"{path} held other settings ({', '.join(changed)}) but no samples (an earlier run stopped before "
                     "its first image); it now holds this run's settings.")
     (output / IMAGE_DIR).mkdir(parents=True, exist_ok=True)
+    write_output_marker(output, "sample")
     write_json_atomic(path, {"identity": identity, "run": run_info})
     return note
 
@@ -457,19 +423,28 @@ def sample_images(
 
     Process ``rank`` of ``world_size`` makes the indices ``i = rank (mod world_size)`` whose
     PNG does not exist yet, ``batch_size`` at a time; image ``i`` has class
-    ``class_labels_for([i])`` and seed ``settings.seed + i``. ``on_batch`` is called with
-    each finished batch's indices.
+    ``class_labels_for([i])`` and seed ``settings.seed + i``. A PNG it finds cut short (see
+    :func:`~moh_dit.sampling.sample_files.intact_png`) is made again, with a warning naming it.
+    ``on_batch`` is called with each finished batch's indices. Memory does not grow with
+    ``num_samples``: the work is planned from one listing of the folder.
     """
     if not _is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}.")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, {world_size}).")
     check_settings(pipe, settings)
     _check_output_folder(Path(output))
     (Path(output) / IMAGE_DIR).mkdir(parents=True, exist_ok=True)
-    todo = missing_indices(output, indices_for_rank(settings.num_samples, rank, world_size))
+    mine = range(rank, settings.num_samples, world_size)
+    done = {i for i in existing_indices(output) if i < settings.num_samples and i % world_size == rank}
+    for index in sorted(done):
+        if not intact_png(png_path(output, index)):
+            logger.warning(f"{png_path(output, index)} is damaged (cut short); making image {index} again.")
+            done.discard(index)
+    total = len(mine) - len(done)
     pipe.set_progress_bar_config(disable=True)
-    bar = tqdm(total=len(todo), disable=not progress, unit="img", desc=f"sampling (rank {rank})")
-    for start in range(0, len(todo), batch_size):
-        batch = todo[start : start + batch_size]
+    bar = tqdm(total=total, disable=not progress, unit="img", desc=f"sampling (rank {rank})")
+    for batch in missing_batches((i for i in mine if i not in done), batch_size):
         images, _ = generate_batch(pipe, settings, batch)
         for index, image in zip(batch, images):
             save_png_atomic(png_path(output, index), image)
@@ -477,4 +452,11 @@ def sample_images(
         if on_batch is not None:
             on_batch(batch)
     bar.close()
-    return len(todo)
+    return total
+
+
+def remake_image(pipe: MoHDiTPipeline, output: str | os.PathLike, settings: SampleSettings, index: int) -> None:
+    """Make image ``index`` of the run again (the same image: its class and seed follow from the
+    index) and write it over its PNG; for a PNG found damaged."""
+    images, _ = generate_batch(pipe, settings, [index])
+    save_png_atomic(png_path(output, index), images[0])
