@@ -30,7 +30,7 @@ from accelerate import Accelerator
 
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.utils.output_folders import check_outside_inputs, hold_output_folder
-from moh_dit.utils.logging import get_logger
+from moh_dit.utils.logging import get_logger, info_enabled
 from moh_dit.diffusion.schedulers import SCHEDULERS
 from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS
 from moh_dit.utils.speed import COMPILE_MODES, compile_model
@@ -42,6 +42,7 @@ from moh_dit.sampling.sample import (
     check_folder_path,
     check_sample_folder,
     check_model_flags,
+    check_npz_fits_on_disk,
     check_or_write_settings,
     check_seed_flags,
     check_settings,
@@ -141,6 +142,8 @@ def check_model_args(args: argparse.Namespace, pipe, settings: SampleSettings) -
             # The model's own message names its reachable range.
             preview_head_activation(pipe.transformer, args.head_activation_ratio)
     check_settings(pipe, settings)
+    if not args.no_npz:
+        check_npz_fits_on_disk(args.output_dir, pipe, settings.num_samples)
 
 
 def sampler_record(args: argparse.Namespace, pipe) -> dict[str, str]:
@@ -216,7 +219,7 @@ def write_samples(args: argparse.Namespace, accelerator: Accelerator, pipe, sett
     made = sample_images(
         pipe, args.output_dir, settings, batch_size=args.per_device_batch_size,
         rank=accelerator.process_index, world_size=accelerator.num_processes,
-        progress=accelerator.is_local_main_process,
+        progress=accelerator.is_local_main_process and info_enabled(),
     )
     elapsed = time.perf_counter() - start
     accelerator.wait_for_everyone()

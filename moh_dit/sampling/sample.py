@@ -30,6 +30,7 @@ import json
 import math
 import numbers
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -59,7 +60,9 @@ __all__ = [
     "ClassLabels",
     "DamagedSampleError",
     "SampleSettings",
+    "check_npz_fits_on_disk",
     "check_sample_folder",
+    "image_shape",
     "remake_image",
     "class_labels_for",
     "indices_for_rank",
@@ -298,6 +301,32 @@ def check_settings(pipe: MoHDiTPipeline, settings: SampleSettings) -> None:
     )
 
 
+def image_shape(pipe: MoHDiTPipeline) -> tuple[int, int, int]:
+    """(H, W, C) of the images ``pipe`` makes: the transformer's size, times the VAE's
+    downsampling for a latent model."""
+    size, channels = pipe.transformer.config.sample_size, pipe.transformer.config.in_channels
+    if pipe.vae is not None:
+        size *= 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+        channels = pipe.vae.config.out_channels
+    return size, size, channels
+
+
+def check_npz_fits_on_disk(output: str | os.PathLike, pipe: MoHDiTPipeline, num_samples: int,
+                           flag: str = "--num-samples") -> None:
+    """Refuse a run whose ``.npz`` alone (``num_samples`` raw images; the PNGs come on top) is
+    larger than the free space of the disk that holds ``output``, before anything is written."""
+    height, width, channels = image_shape(pipe)
+    needed = num_samples * height * width * channels
+    folder = Path(output).expanduser().absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise ValueError(f"{flag} {num_samples}: the {NPZ_FILE} of {num_samples} images of {height}x{width} needs "
+                         f"{needed / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on the disk of {folder}; "
+                         f"use a smaller {flag}, another --output-dir, or --no-npz.")
+
+
 def _holds_samples(output: Path) -> bool:
     folder = output / IMAGE_DIR
     return folder.is_dir() and any(folder.glob("*.png"))
@@ -443,15 +472,14 @@ def sample_images(
             done.discard(index)
     total = len(mine) - len(done)
     pipe.set_progress_bar_config(disable=True)
-    bar = tqdm(total=total, disable=not progress, unit="img", desc=f"sampling (rank {rank})")
-    for batch in missing_batches((i for i in mine if i not in done), batch_size):
-        images, _ = generate_batch(pipe, settings, batch)
-        for index, image in zip(batch, images):
-            save_png_atomic(png_path(output, index), image)
-        bar.update(len(batch))
-        if on_batch is not None:
-            on_batch(batch)
-    bar.close()
+    with tqdm(total=total, disable=not progress, unit="img", desc=f"sampling (rank {rank})") as bar:
+        for batch in missing_batches((i for i in mine if i not in done), batch_size):
+            images, _ = generate_batch(pipe, settings, batch)
+            for index, image in zip(batch, images):
+                save_png_atomic(png_path(output, index), image)
+            bar.update(len(batch))
+            if on_batch is not None:
+                on_batch(batch)
     return total
 
 
