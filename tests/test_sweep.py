@@ -208,7 +208,9 @@ def test_written_files(sweep):
         assert plot.size == (720, 460) and plot.mode == "RGB"
         assert len(np.unique(np.asarray(plot).reshape(-1, 3), axis=0)) > 10  # something was drawn
     assert sorted(p.name for p in out.iterdir()) == [
-        "fid_vs_ratio.png", "ratio_0.5000", "ratio_0.7500", "ratio_1.0000", "sweep.csv", "sweep.json"]
+        ".moh-dit-output.json", "fid_vs_ratio.png", "ratio_0.5000", "ratio_0.7500", "ratio_1.0000", "sweep.csv",
+        "sweep.json"]
+    assert json.loads((out / ".moh-dit-output.json").read_text())["written_by"] == "moh-dit sweep"
     assert not list(out.rglob("*.tmp"))
     assert "NOT comparable" in result.table()
 

@@ -27,13 +27,16 @@ import torch
 
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.utils.logging import get_logger, info_enabled
-from moh_dit.evaluation import ADM_K, INCEPTION_WEIGHTS_ENV
+from moh_dit.evaluation import ADM_K, INCEPTION_WEIGHTS_ENV, check_feature_memory, reference_cache_dir
+from moh_dit.utils.output_folders import check_outside_inputs, hold_output_folder
+from moh_dit.sampling.sample_files import check_own_folder
 from moh_dit.diffusion.schedulers import SCHEDULERS
 from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SEED_RANGE
 from moh_dit.sampling.sample import DTYPES, SampleSettings, check_model_flags, check_seed_flags, load_pipeline
 from moh_dit.sampling.sweep import (
     ATTENTION_PATHS,
     DEFAULT_RATIOS,
+    is_sweep_folder,
     SweepSettings,
     attention_flops,
     check_device,
@@ -130,6 +133,31 @@ def check_args(args: argparse.Namespace) -> None:
         if not (Path(args.classifier).expanduser() / "classifier.json").is_file():
             raise FileNotFoundError(f"--classifier {args.classifier} is not a classifier folder (no classifier.json); "
                                     "make one with moh-dit train-classifier or give torchvision:NAME")
+    check_outputs(args)
+    check_feature_memory(args.num_samples, f"--num-samples {args.num_samples}",
+                         "use a smaller --num-samples (the features of every image are kept for the metrics)")
+
+
+def sweep_inputs(args: argparse.Namespace) -> dict[str, Path | None]:
+    """Every file or folder the sweep reads, by flag (None: not given, or not a local path)."""
+    def local(value: str | None) -> Path | None:
+        return None if value is None or not Path(value).expanduser().exists() else Path(value).expanduser()
+
+    classifier = None if args.classifier is None or args.classifier.startswith("torchvision:") else args.classifier
+    return {"--model": local(args.model), "--ref": local(args.ref), "--vae": local(args.vae),
+            "--classifier": local(classifier), "--classifier-weights": local(args.classifier_weights),
+            "--inception-weights": local(args.inception_weights)}
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """The output folder and the reference cache are never what the sweep reads, and the output
+    folder is new, empty, or an earlier sweep's (marked, or holding sweep.json)."""
+    inputs = sweep_inputs(args)
+    check_outside_inputs(Path(args.output_dir).expanduser(), inputs, "--output-dir")
+    if not args.no_cache:
+        cache = Path(args.cache_dir).expanduser() if args.cache_dir is not None else reference_cache_dir()
+        check_outside_inputs(cache, inputs, "--cache-dir")
+    check_own_folder(args.output_dir, "sweep", is_sweep_folder)
 
 
 def sample_settings(args: argparse.Namespace) -> SampleSettings:
@@ -169,10 +197,13 @@ def main(args: argparse.Namespace):
         download=not args.no_download, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype,
         classifier=args.classifier, classifier_weights=args.classifier_weights, progress=info_enabled(),
     )
-    result = sweep_head_activation(args.model, parse_ratios(args.ratios), args.ref, sample_settings(args), settings,
-                                   log=logger.info)
-    result.settings["args"] = vars(args)
-    paths = write_sweep(result, args.output_dir)
+    # One writer per output folder, from the first image to the last file written.
+    with hold_output_folder(Path(args.output_dir).expanduser(), "sweep", "--output-dir"):
+        check_own_folder(args.output_dir, "sweep", is_sweep_folder)  # again, now that no other sweep can write it
+        result = sweep_head_activation(args.model, parse_ratios(args.ratios), args.ref, sample_settings(args),
+                                       settings, log=logger.info)
+        result.settings["args"] = vars(args)
+        paths = write_sweep(result, args.output_dir)
     logger.info(result.table())
     logger.info("wrote " + ", ".join(str(p) for p in paths.values()))
     return result

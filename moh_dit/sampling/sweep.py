@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -52,6 +53,7 @@ from ..evaluation import (
     build_random_inception,
     check_class_names,
     check_extractor_choice,
+    check_feature_memory,
     evaluate,
     extractor_identity,
     load_inception,
@@ -59,6 +61,7 @@ from ..evaluation import (
 )
 from ..pipelines.pipeline_moh_dit import MoHDiTPipeline
 from ..utils.output_folders import check_folder_path as _refuse_file_path
+from ..utils.output_folders import write_output_marker
 from .sample import (
     SampleSettings,
     check_settings,
@@ -103,6 +106,7 @@ __all__ = [
     "check_plans",
     "check_device",
     "check_folder_path",
+    "is_sweep_folder",
     "run_sweep",
     "sweep_head_activation",
     "write_sweep",
@@ -414,6 +418,16 @@ def _ratio_dir(output_dir: Path, realised: float) -> Path:
     return output_dir / f"ratio_{realised:.4f}"
 
 
+def is_sweep_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a sweep's output from before the output marker: it holds
+    ``sweep.json``, or only what a sweep writes (its tables, plot and ``ratio_X`` folders)."""
+    if (folder / JSON_FILE).is_file():
+        return True
+    names = [entry.name for entry in folder.iterdir()]
+    return bool(names) and all(name in (CSV_FILE, PLOT_FILE) or re.fullmatch(r"ratio_\d\.\d{4}", name)
+                               for name in names)
+
+
 def _load_model(model: MoHDiTPipeline | PathLike, settings: SweepSettings) -> tuple[MoHDiTPipeline, str]:
     """The pipeline to sweep and the model's name in the results."""
     if isinstance(model, MoHDiTPipeline):
@@ -594,6 +608,8 @@ def sweep_head_activation(
     settings = SweepSettings() if settings is None else settings
     if images.num_samples < ADM_K + 1:
         raise ValueError(f"num_samples must be >= {ADM_K + 1} (precision/recall use k={ADM_K}), got {images.num_samples}.")
+    check_feature_memory(images.num_samples, f"num_samples (--num-samples) {images.num_samples}",
+                         "sweep fewer images (the features of every image are kept for the metrics)", extractor)
     if not isinstance(reference, ReferenceStatistics) and not Path(reference).exists():
         raise FileNotFoundError(f"reference not found: {reference}")
     pipe, model_label = _load_model(model, settings)
@@ -611,6 +627,9 @@ def sweep_head_activation(
     identity = extractor_identity(extractor)
     ref = _reference_statistics(reference, extractor, identity, settings, log)
 
+    if settings.save_samples:
+        Path(settings.output_dir).mkdir(parents=True, exist_ok=True)
+        write_output_marker(settings.output_dir, "sweep")
     pipe.to(settings.device)
     pipe.set_progress_bar_config(disable=True)
     calls = transformer_calls_per_image(images.num_inference_steps, images.guidance_scale)

@@ -19,6 +19,7 @@ import numpy as np
 import PIL.Image
 
 from ..utils.io import write_bytes_atomic, write_json_atomic
+from ..utils.output_folders import write_output_marker
 
 __all__ = [
     "JSON_FILE",
@@ -136,16 +137,19 @@ def _csv_text(rows: Sequence[SweepRow]) -> str:
 
 
 def write_sweep(result: SweepResult, output_dir: PathLike) -> dict[str, Path]:
-    """Write ``sweep.json`` (settings + rows), ``sweep.csv`` and ``fid_vs_ratio.png``.
+    """Write ``sweep.json`` (settings + rows), ``sweep.csv`` and ``fid_vs_ratio.png``, and the
+    output marker that says ``moh-dit sweep`` wrote the folder.
 
     Everything is rendered in memory first and each file goes through a temporary name and
-    ``os.replace``, so a failure leaves no partial file. Returns the paths.
+    ``os.replace``, so a failure leaves no partial file (an OSError, such as a full disk, names
+    the file). Returns the paths.
     """
     output_dir = Path(output_dir)
     csv_text = _csv_text(result.rows)
     title, subtitle = _plot_titles(result.settings)
     png = figure_png(plot_fid_vs_ratio(result.rows, title, subtitle, comparable=result.comparable_to_published))
     output_dir.mkdir(parents=True, exist_ok=True)
+    write_output_marker(output_dir, "sweep")
     paths = {"json": output_dir / JSON_FILE, "csv": output_dir / CSV_FILE, "plot": output_dir / PLOT_FILE}
     write_bytes_atomic(paths["csv"], csv_text.encode("utf-8"))
     write_bytes_atomic(paths["plot"], png)
