@@ -31,6 +31,7 @@ All the work is done by :func:`moh_dit.evaluation.evaluate`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -44,10 +45,15 @@ from moh_dit.evaluation import (
     CACHE_ENV,
     INCEPTION_WEIGHTS_ENV,
     MAX_RANDOM_INCEPTION_SEED,
+    EvaluationResult,
+    check_class_names,
     evaluate,
     read_class_map,
     read_sample_labels,
+    reference_cache_dir,
+    sample_class_names,
 )
+from moh_dit.utils.output_folders import check_outside_inputs
 from moh_dit.utils.io import write_json_atomic
 from moh_dit.utils.logging import get_logger
 
@@ -133,6 +139,35 @@ def check_args(args: argparse.Namespace) -> None:
                 raise ValueError(f"{flag} is for class accuracy, which needs --classifier CLF_DIR|torchvision:NAME")
     if args.class_index is not None and not Path(args.class_index).is_file():
         raise FileNotFoundError(f"--class-index {args.class_index}: no such file")
+    check_outputs(args)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """What evaluate writes (the --output JSON, the reference cache) is never what it reads, and
+    an existing --output is replaced only when it is an earlier result of this command."""
+    classifier = None if args.classifier is None or args.classifier.startswith("torchvision:") else args.classifier
+    inputs = {flag: None if value is None else Path(value).expanduser() for flag, value in (
+        ("--samples", args.samples), ("--ref", args.ref), ("--labels", args.labels), ("--class-index", args.class_index),
+        ("--classifier", classifier), ("--classifier-weights", args.classifier_weights),
+        ("--inception-weights", args.inception_weights))}
+    if args.output is not None:
+        check_outside_inputs(Path(args.output).expanduser(), inputs, "--output")
+        if Path(args.output).is_file() and not is_evaluation_result(args.output):
+            raise FileExistsError(f"--output {args.output} exists and is not a moh-dit evaluate result; choose "
+                                  "another --output, or delete the file yourself")
+    if not args.no_cache:
+        cache = Path(args.cache_dir).expanduser() if args.cache_dir is not None else reference_cache_dir()
+        check_outside_inputs(cache, {"--samples": inputs["--samples"], "--ref": inputs["--ref"]}, "--cache-dir")
+
+
+def is_evaluation_result(path: str | Path) -> bool:
+    """Whether ``path`` holds a JSON result this command wrote (the fields of EvaluationResult)."""
+    try:
+        payload = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    fields = {field.name for field in dataclasses.fields(EvaluationResult)}
+    return isinstance(payload, dict) and fields <= set(payload)
 
 
 def class_accuracy_inputs(args: argparse.Namespace) -> dict:
@@ -142,6 +177,9 @@ def class_accuracy_inputs(args: argparse.Namespace) -> dict:
     labels = read_sample_labels(args.samples, args.labels)
     classifier = load_classifier(args.classifier, args.classifier_weights, device=args.device)
     class_map = None if args.class_index is None else read_class_map(args.class_index, classifier.classes)
+    if class_map is None:
+        # The samples' classes, as moh-dit sample recorded them, against the classifier's (the sweep's check).
+        check_class_names(classifier, sample_class_names(args.samples))
     return dict(classifier=classifier, labels=labels, class_map=class_map)
 
 

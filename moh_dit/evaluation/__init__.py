@@ -54,14 +54,17 @@ from .class_accuracy import (
     class_accuracy,
     read_class_map,
     read_sample_labels,
+    sample_class_names,
 )
 from .features import (
     ExtractedFeatures,
     FeatureExtractor,
     InceptionFeatures,
     as_inception_features,
+    check_feature_memory,
     extract_features,
     extractor_identity,
+    feature_bytes_per_image,
 )
 from .frechet import FeatureStatistics, compute_statistics, frechet_distance, frechet_distance_from_features
 from .inception import (
@@ -114,6 +117,8 @@ from .sources import (
 __all__ = [
     "ADM_K",
     "check_extractor_choice",
+    "check_feature_memory",
+    "feature_bytes_per_image",
     "ADM_SPLIT_SIZE",
     "CACHE_ENV",
     "ClassAccuracy",
@@ -152,6 +157,7 @@ __all__ = [
     "random_inception_state_dict",
     "read_class_map",
     "read_sample_labels",
+    "sample_class_names",
     "reference_cache_dir",
     "resolve_inception_weights",
     "save_random_inception_weights",
@@ -251,6 +257,7 @@ def evaluate(
         extractor = load_inception(inception_weights, download=download)
     identity = extractor_identity(extractor)
     check_reference(opened, extractor, identity)
+    _check_memory(sample_source, opened, extractor)
     if sample_source.resolution is None and opened.resolution is not None and isinstance(
         sample_source, IterableImageSource
     ):
@@ -303,6 +310,17 @@ def _class_accuracy_meter(sample_source: ImageSource, classifier: SampleClassifi
         raise ValueError(f"{sample_source.description}: {sample_source.num_images} samples but {len(labels)} labels; "
                          "every sample needs its class label")
     return ClassAccuracyMeter(classifier, labels, class_map, class_names)
+
+
+def _check_memory(sample_source: ImageSource, reference: ReferenceSpec | ReferenceStatistics,
+                  extractor: nn.Module) -> None:
+    """Refuse, before any feature is computed, image sets whose features cannot fit in memory."""
+    samples = sample_source.num_images or 0
+    images = reference.images if isinstance(reference, ReferenceSpec) else None
+    total = samples + (images.num_images or 0 if images is not None else 0)
+    if total:
+        check_feature_memory(total, f"evaluating {samples} samples of {sample_source.description} and the reference "
+                             f"images ({total} images in all)", "evaluate fewer samples", extractor)
 
 
 def _check_arguments(**values: Any) -> None:

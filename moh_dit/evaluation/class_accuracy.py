@@ -28,7 +28,10 @@ from .classifier import SampleClassifier
 from .sources import zip_member_names
 
 __all__ = ["ClassAccuracy", "ClassAccuracyMeter", "check_class_names", "class_accuracy", "read_class_map",
-           "read_sample_labels"]
+           "read_sample_labels", "sample_class_names", "sample_settings_file"]
+
+# What moh-dit sample writes beside its images (moh_dit.sampling.sample_files.SETTINGS_FILE).
+SAMPLE_SETTINGS_FILE = "sample_config.json"
 
 
 @dataclass
@@ -101,6 +104,35 @@ def read_class_map(path: str | os.PathLike, classes: Sequence[str]) -> dict[int,
                              f"classifier's {len(classes)} classes")
         out[int(key)] = target
     return out
+
+
+def sample_settings_file(samples: str | os.PathLike) -> Path | None:
+    """The ``sample_config.json`` of a sample set made by ``moh-dit sample``: beside its ``.npz``,
+    in its output folder, or beside its ``samples/`` image folder; None when there is none."""
+    path = Path(samples)
+    for folder in ((path.parent,) if path.is_file() else (path, path.parent)):
+        candidate = folder / SAMPLE_SETTINGS_FILE
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def sample_class_names(samples: str | os.PathLike) -> list[str] | None:
+    """The class names of the model that made ``samples``, as ``moh-dit sample`` recorded them
+    (``class_names`` of the transformer config in ``sample_config.json``); None when the samples
+    do not say."""
+    path = sample_settings_file(samples)
+    if path is None:
+        return None
+    try:
+        identity = json.loads(path.read_text(encoding="utf-8")).get("identity", {})
+        names = identity.get("transformer_config", {}).get("class_names")
+    except (OSError, ValueError, AttributeError) as error:
+        raise ValueError(f"{path} is not a moh-dit sample settings file ({error}); it names the samples' classes, "
+                         "so it is read for class accuracy. Repair or remove it.") from None
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ValueError(f"{path}: the transformer config's class_names is {names!r}, not a list of names")
+    return names
 
 
 def check_class_names(classifier: SampleClassifier, class_names: Sequence[str] | None) -> None:

@@ -19,10 +19,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..utils.resources import check_fits_in_memory
 from ..utils.runtime import tf32_disabled
 from .sources import open_image_source
 
 __all__ = [
+    "check_feature_memory",
+    "feature_bytes_per_image",
     "ExtractedFeatures",
     "FeatureExtractor",
     "InceptionFeatures",
@@ -176,3 +179,21 @@ def extract_features(
     return ExtractedFeatures(
         pool=torch.cat(pools).numpy(), logits=_collect(logits, "logits"), spatial=_collect(spatials, "spatial")
     )
+
+
+# The widths the TF-compatible Inception gives per image (pool_3, logits, ADM's spatial layer):
+# what a size check assumes before the network is loaded, or for an extractor that does not say.
+_DEFAULT_WIDTHS = {"pool_dim": 2048, "num_logits": 1008, "spatial_dim": 17 * 17 * 7}
+
+
+def feature_bytes_per_image(extractor: nn.Module | None = None) -> int:
+    """Bytes of memory :func:`extract_features` holds per image: its float32 features (pool,
+    logits, spatial) twice over, as batches and then as the joined array."""
+    widths = [getattr(extractor, name, None) or default for name, default in _DEFAULT_WIDTHS.items()]
+    return 2 * 4 * sum(int(width) for width in widths)
+
+
+def check_feature_memory(num_images: int, what: str, advice: str, extractor: nn.Module | None = None) -> None:
+    """Refuse, before any image is read, an evaluation of ``num_images`` images whose features
+    cannot fit in the available memory (``what`` names the count, e.g. ``"--num-samples N"``)."""
+    check_fits_in_memory(num_images * feature_bytes_per_image(extractor), what, advice)

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["FeatureStatistics", "compute_statistics", "frechet_distance", "frechet_distance_from_features"]
+__all__ = ["FeatureStatistics", "check_psd", "compute_statistics", "frechet_distance", "frechet_distance_from_features"]
 
 
 @dataclasses.dataclass
@@ -53,12 +53,15 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
     S1 S2 has the same eigenvalues as the symmetric PSD matrix ``A = S1^(1/2) S2 S1^(1/2)``,
     so the trace is ``sum(sqrt(eigvalsh(A)))``. This is exact for PSD inputs, faster than
     ``sqrtm`` at 2048 dimensions, needs no complex arithmetic, and does not depend on
-    ``sqrtm``'s keyword arguments, which SciPy has changed. Eigenvalues below the
+    ``sqrtm``'s keyword arguments, which SciPy has changed. A sigma that is not symmetric
+    positive semi-definite (a negative eigenvalue beyond rounding, :func:`check_psd`) is refused
+    with ValueError. Eigenvalues below the
     numerical-rank tolerance ``max(eigenvalue) * D * eps`` (NumPy's ``matrix_rank`` convention)
     are rounding noise of a singular covariance and are set to zero: their square roots would
     otherwise add up to a spurious ~1e-7 relative error when N < D. float32 is not accurate
     enough here; do not downcast. For N < D, :func:`frechet_distance_from_features` is faster.
     """
+    dtypes = (np.asarray(sigma1).dtype, np.asarray(sigma2).dtype)
     mu1 = np.asarray(mu1, dtype=np.float64)
     mu2 = np.asarray(mu2, dtype=np.float64)
     sigma1 = np.asarray(sigma1, dtype=np.float64)
@@ -86,6 +89,8 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
     sigma1 = 0.5 * (sigma1 + sigma1.T)
     sigma2 = 0.5 * (sigma2 + sigma2.T)
     eigenvalues, eigenvectors = np.linalg.eigh(sigma1)
+    check_psd(eigenvalues, "sigma1", dtypes[0])
+    check_psd(np.linalg.eigvalsh(sigma2), "sigma2", dtypes[1])
     sqrt_sigma1 = (eigenvectors * np.sqrt(_drop_below_rank_tolerance(eigenvalues))) @ eigenvectors.T
     middle = sqrt_sigma1 @ sigma2 @ sqrt_sigma1
     middle = 0.5 * (middle + middle.T)
@@ -93,6 +98,27 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
 
     diff = mu1 - mu2
     return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2.0 * tr_covmean)
+
+
+def check_psd(eigenvalues: np.ndarray, name: str, dtype: np.dtype | None = None) -> None:
+    """Refuse a covariance matrix, given its eigenvalues, with a negative eigenvalue beyond
+    rounding: a covariance is positive semi-definite, and the Frechet distance of anything else
+    is a meaningless number (even a negative "FID"). Rounding is what the matrix's storage
+    precision (``dtype``; float64 when not floating) allows at its size, and never less than a
+    millionth of the largest eigenvalue."""
+    eigenvalues = np.asarray(eigenvalues, dtype=np.float64)
+    if eigenvalues.size == 0:
+        return
+    eps = np.finfo(dtype if dtype is not None and np.issubdtype(dtype, np.floating) else np.float64).eps
+    scale = float(np.abs(eigenvalues).max())
+    tolerance = scale * max(4.0 * eigenvalues.size * float(eps), 1e-6)
+    smallest = float(eigenvalues.min())
+    if smallest < -tolerance:
+        raise ValueError(
+            f"{name} is not a covariance matrix: it has a negative eigenvalue ({smallest:.4g}, largest "
+            f"{float(eigenvalues.max()):.4g}), so it is not positive semi-definite; the statistics are damaged or "
+            "were not made as np.cov(features, rowvar=False)"
+        )
 
 
 def _drop_below_rank_tolerance(eigenvalues: np.ndarray) -> np.ndarray:

@@ -32,7 +32,7 @@ from torch import nn
 from ..utils.io import atomic_write
 from ..utils.logging import get_logger
 from .features import extract_features, extractor_identity
-from .frechet import FeatureStatistics, compute_statistics
+from .frechet import FeatureStatistics, check_psd, compute_statistics
 from .sources import FolderImageSource, ImageSource, NpzImageSource, PathLike, zip_member_names
 
 __all__ = [
@@ -281,12 +281,16 @@ def _inspect_reference(reference: PathLike) -> ReferenceSpec:
 
 
 def _check_statistics(
-    where: str, mu: Any, sigma: Any, expected_dim: int | None, names: tuple[str, str] = ("mu", "sigma")
+    where: str, mu: Any, sigma: Any, expected_dim: int | None, names: tuple[str, str] = ("mu", "sigma"),
+    psd: bool = True,
 ) -> None:
-    """Refuse statistics that cannot be used: ``mu`` not (D,), ``sigma`` not (D, D), non-numeric or non-finite.
+    """Refuse statistics that cannot be used: ``mu`` not (D,), ``sigma`` not (D, D), non-numeric,
+    non-finite, not symmetric, or (with ``psd``) with a negative eigenvalue beyond rounding.
 
     ``expected_dim`` is the feature network's D when known (2048 for pool_3, 2023 for ADM's
-    sFID layer); otherwise D is taken from ``mu``. Cheap, so it runs before any image is processed.
+    sFID layer); otherwise D is taken from ``mu``. It runs before any image is processed; the
+    eigenvalues of a 2048 x 2048 sigma take a second or two, so statistics already checked
+    pass ``psd=False``.
     """
     mu_name, sigma_name = names
     mu, sigma = np.asarray(mu), np.asarray(sigma)
@@ -312,6 +316,10 @@ def _check_statistics(
     scale = max(float(np.abs(sigma).max(initial=0.0)), np.finfo(np.float64).tiny)
     if float(np.abs(sigma - sigma.T).max(initial=0.0)) > 1e-5 * scale:  # the tolerance of frechet_distance
         raise ValueError(f"{where}: '{sigma_name}' is not symmetric, so it is not a covariance matrix")
+    if psd:
+        symmetric = 0.5 * (sigma.astype(np.float64) + sigma.T.astype(np.float64))
+        check_psd(np.linalg.eigvalsh(symmetric), f"{where}: '{sigma_name}'",
+                  sigma.dtype if np.issubdtype(sigma.dtype, np.floating) else None)
 
 
 def _check_stored_dims(spec: ReferenceSpec, extractor: nn.Module) -> None:
@@ -321,16 +329,20 @@ def _check_stored_dims(spec: ReferenceSpec, extractor: nn.Module) -> None:
     for mu, sigma, attribute in (("mu", "sigma", "pool_dim"), ("mu_s", "sigma_s", "spatial_dim")):
         if mu in spec.stored:
             expected = getattr(extractor, attribute, None)
-            _check_statistics(f"reference {spec.path}", spec.stored[mu], spec.stored[sigma], expected, (mu, sigma))
+            # psd=False: open_reference checked the stored matrices' eigenvalues already.
+            _check_statistics(f"reference {spec.path}", spec.stored[mu], spec.stored[sigma], expected, (mu, sigma),
+                              psd=False)
 
 
 def _check_given_reference(ref: ReferenceStatistics, extractor: nn.Module) -> None:
     """A ReferenceStatistics passed in (e.g. reused across a sweep) checked like a stored one."""
     where = f"reference statistics of {ref.source}"
-    _check_statistics(where, ref.pool.mu, ref.pool.sigma, getattr(extractor, "pool_dim", None), ("mu", "sigma"))
+    # Statistics this package computed from images (np.cov) are positive semi-definite by construction.
+    psd = not ref.statistics_from_images
+    _check_statistics(where, ref.pool.mu, ref.pool.sigma, getattr(extractor, "pool_dim", None), ("mu", "sigma"), psd)
     if ref.spatial is not None:
         _check_statistics(
-            where, ref.spatial.mu, ref.spatial.sigma, getattr(extractor, "spatial_dim", None), ("mu_s", "sigma_s")
+            where, ref.spatial.mu, ref.spatial.sigma, getattr(extractor, "spatial_dim", None), ("mu_s", "sigma_s"), psd
         )
     if ref.pool_features is not None and np.ndim(ref.pool_features) == 2:
         if ref.pool_features.shape[1] != ref.pool.mu.shape[0]:

@@ -194,6 +194,22 @@ class NpzImageSource(ImageSource):
         return json.dumps(["npz", str(self.reader.path.resolve()), self.reader.key, stat.st_size, stat.st_mtime_ns])
 
 
+class _Unreadable(str):
+    """What a loader worker hands back for an image it cannot read: the one-line message. Raised
+    in the main process, because an error raised inside a DataLoader worker reaches the user
+    wrapped in the worker's traceback."""
+
+
+def _sample_folder_advice(path: Path) -> str | None:
+    """How to continue when ``path`` is a damaged PNG of a ``moh-dit sample`` folder (its
+    ``samples/`` folder lies beside ``sample_config.json``); None for any other image."""
+    output = path.parent.parent
+    if path.parent.name != "samples" or not (output / "sample_config.json").is_file():
+        return None
+    return (f"it is a moh-dit sample image: run moh-dit sample again with the same settings and --output-dir "
+            f"{output} (it makes damaged images again), then evaluate again")
+
+
 class _ImageFiles(torch.utils.data.Dataset):
     def __init__(self, files: list[Path], resolution: int) -> None:
         self.files, self.resolution = files, resolution
@@ -201,23 +217,24 @@ class _ImageFiles(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.files)
 
-    def __getitem__(self, index: int) -> np.ndarray:
+    def __getitem__(self, index: int) -> np.ndarray | _Unreadable:
         # The package's one loader: 16-bit and float images keep their values (see load_image).
+        path = self.files[index]
         try:
-            array = np.array(load_image(self.files[index]))  # (H, W, 3) uint8
+            array = np.array(load_image(path))  # (H, W, 3) uint8
         except CorruptImageError as error:
             cause = error.__cause__ or error
-            raise ValueError(
-                f"cannot read image {self.files[index]}: {type(cause).__name__}: {cause}; replace or delete the file"
-            ) from error
+            advice = _sample_folder_advice(path) or "replace or delete the file"
+            return _Unreadable(f"cannot read image {path}: {type(cause).__name__}: {cause}; {advice}")
         if array.shape != (self.resolution, self.resolution, 3):
             expected = (self.resolution, self.resolution, 3)
-            raise ValueError(f"{self.files[index]} decoded to {array.shape}, expected {expected}")
+            return _Unreadable(f"{path} decoded to {array.shape}, expected {expected}")
         return array
 
 
-def _stack_images(arrays: list[np.ndarray]) -> torch.Tensor:
-    return torch.from_numpy(np.stack(arrays))
+def _stack_images(arrays: list[np.ndarray | _Unreadable]) -> torch.Tensor | _Unreadable:
+    unreadable = next((item for item in arrays if isinstance(item, _Unreadable)), None)
+    return unreadable if unreadable is not None else torch.from_numpy(np.stack(arrays))
 
 
 class FolderImageSource(ImageSource):
@@ -266,7 +283,10 @@ class FolderImageSource(ImageSource):
             num_workers=num_workers,
             collate_fn=_stack_images,
         )
-        yield from loader
+        for batch in loader:
+            if isinstance(batch, _Unreadable):
+                raise ValueError(str(batch))
+            yield batch
 
     def fingerprint(self) -> str:
         listing = []
