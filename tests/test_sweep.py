@@ -18,6 +18,7 @@ from torch import nn
 from moh_dit import MoHDiTTransformer2DModel
 from moh_dit import evaluation as ev
 from moh_dit.sampling.sample import SampleSettings, load_pipeline, png_path, quantize_dit
+from moh_dit.utils.output_folders import hold_output_folder
 from moh_dit.sampling.sweep import (
     PLOT_PANELS,
     SweepRow,
@@ -419,17 +420,31 @@ REMOVE = None  # a row's value that drops the base command's flag
         ({"--output": "{tmp}/file.txt/out"}, r"--output-dir .*out lies under .*file\.txt, which is a file"),
         ({"--output": "{tmp}/done", "--save-samples": ""}, r"ratio_1\.0000/samples already holds samples; use a new --output"),
         ({"--no-cache": REMOVE, "--cache-dir": "{tmp}/file.txt"}, r"--cache-dir .*file\.txt is a file"),
+        # What the sweep writes never is, lies in or holds what it reads.
+        ({"--output": "{model}/sweep"}, r"--output-dir .*transformer/sweep lies inside --model"),
+        ({"--output": "{ref}"}, r"--output-dir .*class_0 is --ref"),
+        ({"--output": "{model}/.."}, r"--output-dir .* contains --model"),
+        ({"--no-cache": REMOVE, "--cache-dir": "{ref}/cache"}, r"--cache-dir .*cache lies inside --ref"),
+        ({"--output": "{tmp}/user"}, r"--output-dir .*user already holds files that moh-dit sweep did not write "
+                                     r"\(notes\.txt\)"),
+        # Every image's features are kept for the metrics: a count that cannot fit is refused first.
+        ({"--num-samples": str(10**9)}, r"--num-samples 1000000000 needs about .* of memory, more than the .* "
+                                        r"available on this machine; use a smaller --num-samples"),
     ],
 )
 def test_script_refuses_bad_flags(changes, match, model_dir, dense_dir, reference_dir, sweep_inputs, tmp_path, refuses):
     (tmp_path / "file.txt").write_text("mine")
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "notes.txt").write_text("the user's")
     (tmp_path / "done" / "ratio_1.0000" / "samples").mkdir(parents=True)
     (tmp_path / "done" / "ratio_1.0000" / "samples" / "000000.png").write_bytes(b"an earlier sweep's image")
     base = {"--model": str(model_dir), "--ref": str(reference_dir / "class_0"), "--ratios": "1.0,min",
             "--num-samples": "4", "--batch-size": "4", "--num-inference-steps": "1", "--guidance-scale": "1",
             "--random-inception-seed": "0", "--no-cache": "", "--no-download": "", "--device": "cpu",
             "--output": str(tmp_path / "out")}
-    fill = lambda v: v.replace("{tmp}", str(tmp_path)).replace("{in}", str(sweep_inputs)).replace("{dense}", str(dense_dir))
+    fill = lambda v: (v.replace("{tmp}", str(tmp_path)).replace("{in}", str(sweep_inputs))
+                      .replace("{dense}", str(dense_dir)).replace("{model}", str(model_dir))
+                      .replace("{ref}", str(reference_dir / "class_0")))
     for flag, value in changes.items():
         if value is REMOVE:
             base.pop(flag)
@@ -437,3 +452,19 @@ def test_script_refuses_bad_flags(changes, match, model_dir, dense_dir, referenc
             base[flag] = fill(value)
     argv = [f"{flag}={value}" if value else flag for flag, value in base.items()]  # --ratios=-0.5 is a value
     refuses("sweep_head_ratio", argv, match)
+
+
+def test_a_second_sweep_into_the_same_folder_stops_at_once(model_dir, reference_dir, tmp_path, refuses, load_script):
+    out = tmp_path / "out"
+    argv = ["--model", model_dir, "--ref", reference_dir / "class_0", "--ratios", "1.0", "--num-samples", "4",
+            "--num-inference-steps", "1", "--random-inception-seed", "0", "--no-cache", "--device", "cpu",
+            "--output-dir", out]
+    with hold_output_folder(out, "sweep", "--output-dir"):
+        refuses("sweep_head_ratio", argv, r"--output-dir .*out is being written by another command \(moh-dit sweep, "
+                                          r"pid \d+")
+    assert not out.exists()
+    script = load_script("sweep_head_ratio")
+    for _ in range(2):  # free once the holder is done; a sweep's own folder is written again
+        assert script.cli([str(a) for a in argv]) == 0
+    assert json.loads((out / ".moh-dit-output.json").read_text())["written_by"] == "moh-dit sweep"
+    assert not (tmp_path / ".out.lock").exists()
