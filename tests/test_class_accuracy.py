@@ -169,6 +169,57 @@ def test_evaluate_script_refuses_bad_class_accuracy_input(shapes, refuses, tmp_p
         refuses("evaluate", [*argv, "--ref", ref, "--no-download", "--device", "cpu"], match)
 
 
+def _sample_config(folder, class_names):
+    """What moh-dit sample records about the model beside its samples (the part evaluate reads)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sample_config.json").write_text(json.dumps(
+        {"identity": {"transformer_config": {"class_names": class_names}}, "run": {}}))
+
+
+def test_evaluate_refuses_a_classifier_whose_classes_are_not_the_samples(shapes, refuses, tmp_path):
+    """Reproduction: evaluate took a classifier of other classes than the ones sample_config.json
+    names, without a word; the sweep refused it. Now both use one check."""
+    classes = list(shapes["classes"])
+    run = tmp_path / "run"
+    _sample_config(run, classes[::-1])
+    np.savez(run / "samples.npz", shapes["images"], shapes["labels"])
+    argv = ["--samples", run / "samples.npz", "--ref", shapes["data"], "--classifier", shapes["trained"].path,
+            "--no-download", "--device", "cpu"]
+    refuses("evaluate", argv, r"the model's classes \(" + classes[-1] + r", .*\) are not the classifier's \("
+            + classes[0] + r", .*\) in the same order")
+    # The samples' own image folder finds the same settings file.
+    (run / "samples").mkdir()
+    assert clf.load_classifier(shapes["trained"].path).classes == classes
+    from moh_dit.evaluation import sample_class_names
+
+    assert sample_class_names(run / "samples") == sample_class_names(run / "samples.npz") == classes[::-1]
+    assert sample_class_names(tmp_path) is None
+
+
+def test_evaluate_accepts_the_samples_classes_or_a_class_map(shapes, refuses, tmp_path, no_inception):
+    classes = list(shapes["classes"])
+    base = ["--ref", shapes["data"], "--classifier", shapes["trained"].path, "--no-download", "--device", "cpu",
+            "--no-cache"]
+    same, mapped = tmp_path / "same", tmp_path / "mapped"
+    _sample_config(same, classes)
+    _sample_config(mapped, classes[::-1])
+    (mapped / "map.json").write_text(json.dumps({str(i): name for i, name in enumerate(classes[::-1])}))
+    for folder, extra in ((same, []), (mapped, ["--class-index", mapped / "map.json"])):
+        np.savez(folder / "samples.npz", shapes["images"], shapes["labels"])
+        # past the class check: it stops only at the missing Inception weights
+        refuses("evaluate", ["--samples", folder / "samples.npz", *base, *extra], no_inception)
+
+
+@pytest.fixture
+def no_inception(tmp_path, monkeypatch):
+    """No Inception weights anywhere (evaluate then stops, naming where it looked); the pattern."""
+    from moh_dit.evaluation import INCEPTION_WEIGHTS_ENV
+
+    monkeypatch.delenv(INCEPTION_WEIGHTS_ENV, raising=False)
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "no_hub"))
+    return "InceptionV3 weights"
+
+
 def test_train_classifier_script_refuses_bad_flags(shapes, refuses, tmp_path):
     (tmp_path / "file").write_text("x")
     data = shapes["data"]

@@ -716,6 +716,9 @@ def _adm_reference(path: Path, images: np.ndarray | None, dim: int = 48, spatial
         ({"sigma_s": None}, r"has 'mu_s' but no 'sigma_s'"),
         ({"sigma": np.full((48, 48), np.nan)}, "NaN"),
         ({"sigma": np.triu(np.ones((48, 48)))}, "'sigma' is not symmetric"),
+        # Reproduction: sigma = -ones gave "fid": -1915.0; a covariance has no negative eigenvalue.
+        ({"sigma": -np.ones((48, 48))}, r"'sigma' is not a covariance matrix: it has a negative eigenvalue \(-48"),
+        ({"sigma_s": -np.eye(6)}, r"'sigma_s' is not a covariance matrix"),
     ],
 )
 def test_bad_reference_statistics_are_refused_before_any_feature(tmp_path, override, match):
@@ -862,6 +865,11 @@ EVALUATE_BAD_FLAGS = [
     ({"--cache-dir": "{tmp}/a_file"}, "--cache-dir .*a_file is a file"),
     ({"--device": "gpu"}, "--device must be cpu, cuda or cuda:N, got 'gpu'"),
     ({"--ref": "{tmp}/bad_sigma.npz"}, r"'sigma' has shape \(3, 3\) but should be \(2048, 2048\)"),
+    # What evaluate writes never is, lies in or holds what it reads; a file it did not write stays.
+    ({"--output": "{tmp}/samples/out.json"}, r"--output .*out\.json lies inside --samples"),
+    ({"--cache-dir": "{tmp}/ref/cache"}, r"--cache-dir .*cache lies inside --ref"),
+    ({"--cache-dir": "{tmp}"}, r"--cache-dir .* contains --samples"),
+    ({"--output": "{tmp}/a_file"}, r"--output .*a_file exists and is not a moh-dit evaluate result"),
 ]
 if not torch.cuda.is_available():
     EVALUATE_BAD_FLAGS.append(({"--device": "cuda"}, "CUDA is not available"))
