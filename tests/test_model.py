@@ -4,6 +4,7 @@ The reference below is written from docs/design.md (sections 1-3) in plain tenso
 operations on a release-format state dict; it shares no code with the package.
 """
 
+import json
 import math
 
 import numpy as np
@@ -484,6 +485,50 @@ def test_bad_layouts_rejected():
         MoHDiTTransformer2DModel(**{**UNEVEN, "num_shared_heads": [2, 7, 4, 1]})
     with pytest.raises(ValueError, match="one per layer"):
         MoHDiTTransformer2DModel(**{**UNEVEN, "top_k": [0, 2, 1]})
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("sample_size", -16, "sample_size must be a positive integer, got -16"),
+    ("sample_size", 0, "sample_size must be a positive integer, got 0"),
+    ("patch_size", 0, "patch_size must be a positive integer"),
+    ("sample_size", 9, "sample_size=9 is not divisible by patch_size=2"),
+    ("hidden_size", 50, "hidden_size=50 must be divisible by 4"),
+    ("num_layers", 0, "num_layers must be a positive integer"),
+    ("num_attention_heads", [2, 0, 6, 5], "num_attention_heads must be a positive integer or a list"),
+    ("attention_head_dim", -12, "attention_head_dim must be a positive integer"),
+    ("num_classes", 0, "num_classes must be a positive integer"),
+    ("in_channels", 2.5, "in_channels must be a positive integer"),
+    ("out_channels", 0, "out_channels must be a positive integer"),
+    ("mlp_ratio", float("nan"), "mlp_ratio must be a finite number > 0"),
+    ("class_dropout_prob", 1.5, r"class_dropout_prob must be a number in \[0, 1\]"),
+])
+def test_a_config_that_cannot_make_a_model_is_one_line_naming_the_field(field, value, match, tmp_path):
+    """Reproduction: sample_size 0 was a ZeroDivisionError inside the position embedding, -16 a
+    negative-size error; now the field is named, and the config.json when read from a folder."""
+    from moh_dit.models.config_checks import check_transformer_config_file
+
+    with pytest.raises(ValueError, match=match):
+        MoHDiTTransformer2DModel(**{**UNEVEN, field: value})
+    MoHDiTTransformer2DModel(**UNEVEN).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}: {match}"):
+        check_transformer_config_file(tmp_path)
+
+
+def test_a_model_larger_than_the_memory_is_refused_before_it_is_built(tmp_path, monkeypatch):
+    from moh_dit.models.config_checks import check_transformer_config_file, transformer_bytes
+    from moh_dit.utils import resources
+
+    model = MoHDiTTransformer2DModel(**UNEVEN)
+    params = sum(p.numel() for p in model.parameters()) + model.pos_embed.pos_embed.numel()
+    assert transformer_bytes(model.config) == pytest.approx(4 * params, rel=0.05)
+    model.save_pretrained(tmp_path)
+    check_transformer_config_file(tmp_path)
+    monkeypatch.setattr(resources, "available_memory", lambda: 2**16)
+    with pytest.raises(ValueError, match=r"config\.json: the transformer \(sample_size 8, hidden_size 48, num_layers 4\) "
+                                         r"needs about .* of memory, more than the 64\.0 KiB available"):
+        check_transformer_config_file(tmp_path)
 
 
 def test_residual_stream_is_contiguous(randomize):
