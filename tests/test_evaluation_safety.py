@@ -113,3 +113,20 @@ def test_feature_memory_follows_the_extractor():
         pool_dim, spatial_dim, num_logits = 10, 5, 3
 
     assert ev.feature_bytes_per_image(Small()) == 8 * 18
+
+
+def test_a_full_disk_while_writing_the_output_is_one_line_naming_it(inputs, tmp_path, load_script, monkeypatch,
+                                                                    capsys):
+    import errno
+    import os
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(json, "dump", full)
+    out = tmp_path / "m.json"
+    assert load_script("evaluate").cli([str(a) for a in _argv({**inputs, "--output": out, "--quiet": ""})]) == 1
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "Traceback" in line or line.startswith("error:")] == [
+        f"error: No space left on device while writing {out}"]
+    assert not out.exists() and not list(tmp_path.glob(".m.json*"))

@@ -5,6 +5,7 @@ import csv
 import dataclasses
 import io
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -356,9 +357,12 @@ def test_script_with_random_inception(model_dir, dense_dir, reference_dir, tmp_p
 
 
 @pytest.fixture(scope="module")
-def sweep_inputs(tmp_path_factory):
+def sweep_inputs(tmp_path_factory, model_dir):
     """Files the bad-flag table points at, outside each test's tmp_path."""
     root = tmp_path_factory.mktemp("sweep_inputs")
+    shutil.copytree(model_dir, root / "zero_size")
+    config = json.loads((model_dir / "config.json").read_text())
+    (root / "zero_size" / "config.json").write_text(json.dumps({**config, "sample_size": 0}))
     (root / "notes.txt").write_text("not an npz")
     np.savez(root / "other.npz", something=np.zeros(3))
     (root / "empty").mkdir()
@@ -413,6 +417,8 @@ REMOVE = None  # a row's value that drops the base command's flag
         ({"--model": "{tmp}/missing"}, r"--model .*missing does not exist"),
         ({"--model": "{in}/notes.txt"}, r"--model .*notes\.txt is a file"),
         ({"--model": "{in}/empty"}, r"neither a pipeline folder \(model_index\.json\) nor a transformer folder"),
+        ({"--model": "{in}/zero_size"}, r"zero_size/config\.json: sample_size must be a positive integer, got 0"),
+        ({"--model": "{in}/zero_size", "--dry-run": ""}, r"zero_size/config\.json: sample_size must be a positive"),
         ({"--ref": "{tmp}/missing"}, r"--ref .*missing does not exist"),
         ({"--ref": "{in}/notes.txt"}, r"--ref .*notes\.txt is not an \.npz file"),
         ({"--ref": "{in}/other.npz"}, r"other\.npz is neither an ADM reference batch"),

@@ -55,7 +55,7 @@ from moh_dit.evaluation import (
 )
 from moh_dit.utils.output_folders import check_outside_inputs
 from moh_dit.utils.io import write_json_atomic
-from moh_dit.utils.logging import get_logger
+from moh_dit.utils.logging import get_logger, info_enabled
 
 logger = get_logger(__name__)
 
@@ -203,7 +203,7 @@ def main(args: argparse.Namespace) -> dict:
         cache_dir=args.cache_dir,
         use_cache=not args.no_cache,
         split_size=args.split_size,
-        progress=True,
+        progress=info_enabled(),
         allow_resolution_mismatch=args.allow_resolution_mismatch,
         **consistency,
     )
