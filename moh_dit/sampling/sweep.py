@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import re
 import time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -82,6 +81,7 @@ from .sweep_results import (
     SweepResult,
     SweepRow,
     figure_png,
+    is_sweep_folder,
     plot_fid_vs_ratio,
     write_sweep,
 )
@@ -416,16 +416,6 @@ def check_folder_path(path: PathLike, what: str) -> None:
 
 def _ratio_dir(output_dir: Path, realised: float) -> Path:
     return output_dir / f"ratio_{realised:.4f}"
-
-
-def is_sweep_folder(folder: Path) -> bool:
-    """Whether ``folder`` is a sweep's output from before the output marker: it holds
-    ``sweep.json``, or only what a sweep writes (its tables, plot and ``ratio_X`` folders)."""
-    if (folder / JSON_FILE).is_file():
-        return True
-    names = [entry.name for entry in folder.iterdir()]
-    return bool(names) and all(name in (CSV_FILE, PLOT_FILE) or re.fullmatch(r"ratio_\d\.\d{4}", name)
-                               for name in names)
 
 
 def _load_model(model: MoHDiTPipeline | PathLike, settings: SweepSettings) -> tuple[MoHDiTPipeline, str]:

@@ -11,6 +11,7 @@ import csv
 import dataclasses
 import io
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence, Union
@@ -30,6 +31,7 @@ __all__ = [
     "SweepRow",
     "SweepResult",
     "write_sweep",
+    "is_sweep_folder",
     "plot_fid_vs_ratio",
     "figure_png",
 ]
@@ -155,6 +157,16 @@ def write_sweep(result: SweepResult, output_dir: PathLike) -> dict[str, Path]:
     write_bytes_atomic(paths["plot"], png)
     write_json_atomic(paths["json"], result.to_dict())  # last: its presence means the sweep is complete
     return paths
+
+
+def is_sweep_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a sweep's output from before the output marker: it holds
+    ``sweep.json``, or only what a sweep writes (its tables, plot and ``ratio_X`` folders)."""
+    if (folder / JSON_FILE).is_file():
+        return True
+    names = [entry.name for entry in folder.iterdir()]
+    return bool(names) and all(name in (CSV_FILE, PLOT_FILE) or re.fullmatch(r"ratio_\d\.\d{4}", name)
+                               for name in names)
 
 
 def _plot_titles(settings: dict[str, Any]) -> tuple[str, str]:
