@@ -212,16 +212,37 @@ FORMATS = r"Expected a \.pt/\.pth torch checkpoint .*\.safetensors.*diffusers.*H
         (["--num-classes", "5"], r"wrong shape.*y_embedder"),
         # --output-dir (here by its old name, --output): a file, a path under a file, a non-empty
         # folder without --overwrite.
-        (["--output", "{tmp}/file.txt"], r"Output .*file\.txt is a file; --output-dir .*must be a folder path"),
+        (["--output", "{tmp}/file.txt"], r"--output-dir .*file\.txt is a file; give a folder path"),
         (["--output", "{tmp}/file.txt", "--overwrite"], r"file\.txt is a file"),
         (["--output", "{tmp}/file.txt/model"], r"lies under .*file\.txt, which is a file"),
-        (["--output", "{tmp}/full"], r"not empty; choose another or pass --overwrite"),
+        (["--output", "{tmp}/full"], r"full' already exists; delete it, choose another --output-dir or pass --overwrite"),
+        # Reproduction: --overwrite deleted a user's folder that no conversion wrote.
+        (["--output", "{tmp}/full", "--overwrite"],
+         r"--overwrite would replace .*full', which is not an earlier conversion .*; choose another --output-dir"),
+        # A folder another command wrote (here a training run, by its marker) is not convert's to replace.
+        (["--output", "{tmp}/run", "--overwrite"], r"--overwrite would replace .*run', which moh-dit train wrote"),
+        # The output never contains the checkpoint it reads.
+        (["--checkpoint", "{tmp}/conv/ckpt.pt", "--output", "{tmp}/conv", "--overwrite"],
+         r"--output-dir .*conv contains --checkpoint .*ckpt\.pt"),
+        (["--checkpoint", "{tmp}/diffusers", "--output", "{tmp}/diffusers/converted"],
+         r"--output-dir .*converted lies inside --checkpoint"),
     ],
 )
 def test_script_refuses_bad_input(argv, match, inputs, tmp_path, refuses):
+    from moh_dit.utils.output_folders import write_output_marker
+
     (tmp_path / "file.txt").write_text("mine")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
+    (tmp_path / "run").mkdir()
+    write_output_marker(tmp_path / "run", "train")
+    if "{tmp}/conv/ckpt.pt" in argv:  # a folder convert may replace, holding the checkpoint it reads
+        (tmp_path / "conv").mkdir()
+        write_output_marker(tmp_path / "conv", "convert")
+        (tmp_path / "conv" / "ckpt.pt").write_bytes((inputs / "ckpt.pt").read_bytes())
+    if "{tmp}/diffusers" in argv:
+        (tmp_path / "diffusers").mkdir()
+        (tmp_path / "diffusers" / "config.json").write_text('{"_class_name": "DiTTransformer2DModel"}')
     base = {"--checkpoint": "{in}/ckpt.pt", "--preset": "MoH-DiT-Tiny", "--output": "{tmp}/out"}
     for flag in base:
         if flag in argv:
@@ -240,6 +261,30 @@ def test_valid_conversion_through_the_cli_in_process(inputs, tmp_path, load_scri
     assert (tmp_path / "out" / "config.json").is_file()
     assert script.cli(argv) == 1 and "--overwrite" in capsys.readouterr().err
     assert script.cli(argv + ["--overwrite"]) == 0
+
+
+def test_overwrite_replaces_only_an_earlier_conversion(inputs, tmp_path, load_script, capsys):
+    """An earlier conversion from before the output marker (a saved model folder and nothing else)
+    is replaced; a training run's final/, a pipeline's transformer/ and a folder with other files
+    are not, and nothing in them changes."""
+    from moh_dit.utils.output_folders import OUTPUT_MARKER
+
+    script = load_script("convert_checkpoint")
+    model = MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8)
+    base = ["--checkpoint", str(inputs / "ckpt.pt"), "--preset", "MoH-DiT-Tiny", "--overwrite", "--output-dir"]
+    model.save_pretrained(tmp_path / "earlier")
+    assert script.cli(base + [str(tmp_path / "earlier")]) == 0
+    assert (tmp_path / "earlier" / OUTPUT_MARKER).is_file()
+    for folder, beside in (("run/final", "train_config.json"), ("pipe/transformer", "model_index.json")):
+        model.save_pretrained(tmp_path / folder)
+        (tmp_path / folder).parent.joinpath(beside).write_text("{}")
+    model.save_pretrained(tmp_path / "mine")
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    for folder in ("run/final", "pipe/transformer", "mine"):
+        before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / folder).iterdir())
+        assert script.cli(base + [str(tmp_path / folder)]) == 1
+        assert "which is not an earlier conversion" in capsys.readouterr().err
+        assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / folder).iterdir()) == before
 
 
 def test_hub_ids_are_only_org_name():

@@ -12,6 +12,7 @@ from PIL import Image
 from moh_dit import MoHDiTTransformer2DModel
 from moh_dit.hub.convert import model_to_release_state_dict
 from moh_dit.models.presets import PRESETS, UPCYCLED_PRESETS, head_activation_ratio_of_config
+from moh_dit.utils.output_folders import OUTPUT_MARKER
 from moh_dit.hub.upcycle import (REPORT_FILE, choose_heads, dense_forward_with_head_mask, first_forward_gap,
                              head_importance, resolve_layout, routing_head_masks, transfer_weights, upcycle)
 
@@ -171,7 +172,7 @@ def test_upcycled_model_saves_loads_and_samples_at_any_ratio(dense, tmp_path, ti
     x, t, y = _inputs()
     assert torch.equal(loaded(x, t, y).sample, moh(x, t, y).sample)
     assert json.loads((tmp_path / "up" / REPORT_FILE).read_text())["preset"] == "MoH-DiT-Tiny-up75"
-    with pytest.raises(FileExistsError, match="not empty"):
+    with pytest.raises(FileExistsError, match="already exists; .*pass --overwrite"):
         save_upcycled(moh, report, tmp_path / "up")
     # a pipeline folder holding a dense transformer is a source too
     dense.save_pretrained(tmp_path / "pipe" / "transformer")
@@ -220,7 +221,14 @@ def inputs(tmp_path, randomize):
 
 BAD = [
     (["--output", "{t}/out", "--activation", "0.75"], "required: --checkpoint"),
-    (["--checkpoint", "{t}/dense", "--output", "{t}/full", "--activation", "0.75"], "not empty"),
+    # Reproduction: the refusal told to pass --overwrite, which upcycle did not have; now it has it,
+    # and it replaces only an earlier upcycled model.
+    (["--checkpoint", "{t}/dense", "--output", "{t}/full", "--activation", "0.75"],
+     "full' already exists; delete it, choose another --output-dir or pass --overwrite"),
+    (["--checkpoint", "{t}/dense", "--output", "{t}/full", "--activation", "0.75", "--overwrite"],
+     "--overwrite would replace .*full', which is not an upcycled model"),
+    (["--checkpoint", "{t}/dense", "--output", "{t}/dense", "--activation", "0.75", "--overwrite"],
+     "not an upcycled model"),
     (["--checkpoint", "{t}/dense", "--output", "{t}/file", "--activation", "0.75"], "is a file"),
     (["--checkpoint", "{t}/dense", "--output", "{t}/out"], "either --activation"),
     (["--checkpoint", "{t}/dense", "--output", "{t}/out", "--activation", "0.6"], "offer"),
@@ -246,6 +254,25 @@ BAD = [
 @pytest.mark.parametrize("argv, match", BAD)
 def test_script_refuses_bad_input(argv, match, inputs, refuses):
     refuses("upcycle", [a.format(t=inputs) for a in argv], match)
+
+
+def test_overwrite_replaces_an_earlier_upcycled_model_only(inputs, load_script, capsys):
+    """--overwrite exists (the refusal names it) and replaces upcycle's own output: one it marked,
+    or one from before the marker (a saved model with upcycle_report.json and nothing else)."""
+    script = load_script("upcycle")
+    out = inputs / "up"
+    argv = ["--checkpoint", str(inputs / "dense"), "--output", str(out), "--activation", "0.75"]
+    assert script.cli(argv) == 0
+    assert json.loads((out / OUTPUT_MARKER).read_text())["written_by"] == "moh-dit upcycle"
+    assert script.cli(argv) == 1 and "pass --overwrite" in capsys.readouterr().err
+    assert script.cli(argv + ["--overwrite", "--activation", "0.9"]) == 0
+    assert json.loads((out / REPORT_FILE).read_text())["preset"] == "MoH-DiT-Tiny-up90"
+    (out / OUTPUT_MARKER).unlink()  # as upcycle wrote it before the marker: still recognised
+    assert script.cli(argv + ["--overwrite"]) == 0
+    (out / "notes.txt").write_text("mine")
+    (out / OUTPUT_MARKER).unlink()
+    assert script.cli(argv + ["--overwrite"]) == 1 and "not an upcycled model" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 TINY_DEMO = ["--dense-steps", "2", "--continue-steps", "2", "--router-warmup-steps", "1", "--images-per-class", "2",

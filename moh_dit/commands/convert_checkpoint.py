@@ -9,7 +9,9 @@
     moh-dit convert --checkpoint facebook/DiT-XL-2-512 --preset DiT-XL/2 --sample-size 64 --output-dir dit-xl-2-512
 
 An unreadable checkpoint, a wrong preset or a bad --output-dir is refused with one error line
-before anything is written.
+before anything is written. --overwrite replaces only an earlier conversion (a folder marked by
+moh-dit convert, or a saved model folder from before the marker), never another folder, and the
+output never lies inside the checkpoint's folder (nor contains the checkpoint).
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", required=True, choices=list(PRESETS), metavar="PRESET",
                         help="model preset the weights belong to (top-K cannot be read from weights)")
     parser.add_argument("--output-dir", required=True,
-                        help="output folder (written atomically; a non-empty one needs --overwrite, a file is refused)")
+                        help="output folder (written atomically; an existing one needs --overwrite, a file is refused)")
     parser.add_alias("--output", "--output-dir")
     parser.add_argument("--weights", choices=["ema", "model"], default="ema",
                         help="which weights of a training checkpoint to take (default: ema, used for sampling)")
     parser.add_argument("--sample-size", type=int, default=None, help="latent size (default: read from the checkpoint)")
     parser.add_argument("--num-classes", type=int, default=None, help="number of classes (default: read from the checkpoint)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier conversion at --output-dir (never a folder convert did not write)")
     parser.add_argument("--allow-divergent-embeddings", action="store_true",
                         help="diffusers input only: fold differing per-block embedders by taking block 0's")
     return parser.parse_args(argv)

@@ -10,7 +10,8 @@ Each layer's shared heads are the most important ones on the calibration data (t
 prediction's change when the head is removed); without --calibration-data heads 0..hs-1 are
 shared. Routers start at zero, so the first forward is the dense model with each token's
 unselected heads removed. Per layer the choice and the measured importance are printed. The
-output folder is written atomically and never replaces anything. Then continue training with
+output folder is written atomically; an existing one is refused, and --overwrite replaces only
+an earlier upcycled model (never a folder upcycle did not write). Then continue training with
 moh-dit train --preset <upcycled preset> --init-from OUTPUT_DIR [--router-warmup-steps N].
 """
 
@@ -23,7 +24,9 @@ from pathlib import Path
 import torch
 
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
+from moh_dit.hub.outputs import local_path
 from moh_dit.hub.upcycle import check_output, save_upcycled, upcycle
+from moh_dit.utils.output_folders import check_outside_inputs, hold_output_folder
 from moh_dit.utils.logging import get_logger, info_enabled
 
 logger = get_logger(__name__)
@@ -41,7 +44,8 @@ def _layers(text: str) -> int | list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="dense model: a saved model folder, or what moh-dit convert reads")
-    p.add_argument("--output-dir", required=True, help="new folder for the MoH model (must not exist, or be empty)")
+    p.add_argument("--output-dir", required=True,
+                   help="new folder for the MoH model (must not exist, or be empty; see --overwrite)")
     p.add_alias("--output", "--output-dir")
     p.add_argument("--preset", default=None, help="dense preset of a checkpoint that is not a saved model folder (DiT-XL/2, ...)")
     p.add_argument("--activation", type=float, default=None, help="head activation of the upcycled preset: 0.75 or 0.9")
@@ -57,12 +61,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-classes", type=int, default=None, help="classes of a checkpoint (default: read from it)")
     p.add_argument("--device", default="cpu", help="where importance is measured: cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of the calibration order, timesteps and noise")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier upcycled model at --output-dir (never a folder upcycle did not write)")
     return p.parse_args(argv)
 
 
 @command
 def main(args: argparse.Namespace) -> int:
-    check_output(args.output_dir)  # before any loading or measuring
+    check_output(args.output_dir, args.overwrite)  # before any loading or measuring
     if args.calibration_data is None and args.vae is not None:
         raise ValueError("--vae only encodes --calibration-data; give --calibration-data or drop --vae.")
     if args.calibration_data is not None and not Path(args.calibration_data).is_dir():
@@ -75,6 +81,15 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device} but CUDA is not available; use --device cpu.")
+    check_outside_inputs(args.output_dir, {"--checkpoint": local_path(args.checkpoint), "--vae": local_path(args.vae),
+                                           "--calibration-data": args.calibration_data}, "--output-dir")
+    with hold_output_folder(args.output_dir, "upcycle", "--output-dir"):
+        _upcycle(args, device)
+    return 0
+
+
+def _upcycle(args: argparse.Namespace, device: torch.device) -> None:
+    """The checked command: measure, upcycle, write --output-dir."""
     model, report = upcycle(
         args.checkpoint, args.activation, shared_heads=args.shared_heads, top_k=args.top_k,
         calibration=args.calibration_data, calibration_batches_count=args.calibration_batches,
@@ -82,11 +97,10 @@ def main(args: argparse.Namespace) -> int:
         num_classes=args.num_classes, vae=args.vae, seed=args.seed, device=device, progress=info_enabled(),
     )
     logger.info(report.table())
-    save_upcycled(model, report, args.output_dir)
+    save_upcycled(model, report, args.output_dir, overwrite=args.overwrite)
     params = sum(p.numel() for p in model.parameters())
     logger.info(f"Wrote the upcycled model ({params:,} parameters, head activation {model.head_activation_ratio:.4f}) "
                 f"to {args.output_dir}")
-    return 0
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from ..utils.io import publish_folder
-from ..utils.output_folders import check_folder_path
+from ..utils.output_folders import check_folder_path, check_outside_inputs, hold_output_folder, write_output_marker
+from .outputs import check_replaceable, local_path, naming_write_errors
 from ..models.presets import PRESETS, get_preset
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 
@@ -337,24 +338,48 @@ def load_checkpoint_state_dict(source: str | os.PathLike, weights: str = "ema") 
     return "release", _strip_prefix(state_dict), None
 
 
+# A model folder as save_pretrained writes it: config.json and safetensors weights (possibly
+# sharded, with their index); what moh-dit convert wrote before it marked its outputs.
+_WEIGHT_FILE = re.compile(r"diffusion_pytorch_model(\.[\w-]+)?(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
+# Beside a model folder, these make it part of another output: a training run's final/, a
+# pipeline's transformer/.
+_OTHER_OWNERS = ("train_config.json", "model_index.json")
+
+
+def is_model_folder(path: Path, extra: tuple[str, ...] = ()) -> bool:
+    """Whether ``path`` holds a saved ``MoHDiTTransformer2DModel`` and nothing else (but the
+    files named in ``extra``), and is not a training run's ``final/``: an output of
+    ``moh-dit convert`` (or, with ``extra``, another writer) from before the output marker,
+    when it is not part of a training run or a pipeline folder."""
+    try:
+        names = {p.name for p in path.iterdir()}
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    weights = {n for n in names if _WEIGHT_FILE.fullmatch(n)}
+    return (isinstance(config, dict) and config.get("_class_name") == "MoHDiTTransformer2DModel"
+            and bool(weights) and names - weights - {"config.json"} == set(extra)
+            and not any((path.absolute().parent / name).is_file() for name in _OTHER_OWNERS))
+
+
 def _check_output(output: Path, overwrite: bool) -> None:
-    """Refuse an output that is a file (or lies under one) whatever ``overwrite`` says, and a
-    non-empty folder without it: nothing the user made is replaced unasked."""
-    check_folder_path(output, "Output", "--output-dir (output=) must be a folder path", error=FileExistsError)
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"Output folder {output} exists and is not empty; choose another or pass --overwrite (overwrite=True) "
-            "to replace it."
-        )
+    """Refuse an output that is a file (or lies under one) whatever ``overwrite`` says, and an
+    existing folder unless ``overwrite`` and it is empty, marked by moh-dit convert or an
+    earlier conversion (:func:`is_model_folder`): nothing the user made is replaced."""
+    check_folder_path(output, "--output-dir", "give a folder path (output=)", error=FileExistsError)
+    check_replaceable(output, overwrite, "convert", is_model_folder,
+                      "an earlier conversion (a saved MoHDiTTransformer2DModel folder)")
 
 
 def save_pretrained_atomic(model: MoHDiTTransformer2DModel, output: str | os.PathLike, overwrite: bool = False) -> Path:
-    """``save_pretrained`` into a temporary sibling folder, then rename it into place; a
-    folder it replaces is deleted only after the new one is in."""
+    """``save_pretrained`` into a temporary sibling folder, marked as moh-dit convert's output,
+    then rename it into place; a folder it replaces is deleted only after the new one is in.
+    A failed write (disk full, ...) is an OSError naming ``output``."""
     output = Path(output)
     _check_output(output, overwrite)
-    with publish_folder(output, replace=True) as tmp:  # _check_output refused what may not be replaced
+    with naming_write_errors(output), publish_folder(output, replace=True) as tmp:  # refused above if not ours
         model.save_pretrained(tmp, safe_serialization=True)
+        write_output_marker(tmp, "convert")
     return output
 
 
@@ -385,9 +410,22 @@ def convert_checkpoint(
         raise ValueError(
             f"--sample-size (sample_size) {sample_size} is not a multiple of {preset}'s patch size {patch}."
         )
-    if output is not None:
-        output = Path(output)
-        _check_output(output, overwrite)  # before the (slow) load: nothing is read for a refused output
+    if output is None:
+        return _convert(checkpoint, preset, config, weights, sample_size, num_classes, allow_divergent_embeddings)
+    output = Path(output)
+    _check_output(output, overwrite)  # before the (slow) load: nothing is read for a refused output
+    check_outside_inputs(output, {"--checkpoint": local_path(checkpoint)}, "--output-dir")
+    with hold_output_folder(output, "convert", "--output-dir"):
+        model = _convert(checkpoint, preset, config, weights, sample_size, num_classes, allow_divergent_embeddings)
+        save_pretrained_atomic(model, output, overwrite=overwrite)
+    return model
+
+
+def _convert(checkpoint: str | os.PathLike, preset: str, config: dict[str, Any], weights: str,
+             sample_size: int | None, num_classes: int | None, allow_divergent_embeddings: bool
+             ) -> MoHDiTTransformer2DModel:
+    """The checked arguments of :func:`convert_checkpoint` -> the converted model (in eval mode)."""
+    patch = config["patch_size"]
     fmt, state_dict, dconfig = load_checkpoint_state_dict(checkpoint, weights)
     if fmt == "release":
         if "pos_embed" in state_dict and sample_size is None:
@@ -409,7 +447,4 @@ def convert_checkpoint(
         release_state_dict_to_model(state_dict, model)
     else:
         diffusers_dit_state_dict_to_model(state_dict, model, allow_divergent_embeddings)
-    model.eval()
-    if output is not None:
-        save_pretrained_atomic(model, output, overwrite=overwrite)
-    return model
+    return model.eval()

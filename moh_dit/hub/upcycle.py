@@ -27,9 +27,11 @@ from typing import Any, Sequence
 
 import torch
 
-from .convert import _check_output, convert_checkpoint
+from .convert import convert_checkpoint, is_model_folder
+from .outputs import check_replaceable, naming_write_errors
 from ..diffusion.gaussian_diffusion import create_diffusion
 from ..utils.io import publish_folder, write_json_atomic
+from ..utils.output_folders import check_folder_path, write_output_marker
 from ..models.attention import MoHAttnProcessor, MoHRouting
 from ..models.layout import HeadLayout
 from ..models.presets import PRESETS, UPCYCLED_PRESETS
@@ -37,7 +39,7 @@ from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 
 __all__ = ["LayerChoice", "UpcycleReport", "load_dense", "resolve_layout", "calibration_batches", "head_importance",
            "choose_heads", "transfer_weights", "dense_forward_with_head_mask", "routing_head_masks",
-           "first_forward_gap", "upcycle", "check_output", "save_upcycled", "REPORT_FILE"]
+           "first_forward_gap", "upcycle", "check_output", "is_upcycled_folder", "save_upcycled", "REPORT_FILE"]
 
 REPORT_FILE = "upcycle_report.json"
 # The architecture keys that must match for an upcycled preset to fit a dense model.
@@ -467,18 +469,32 @@ def upcycle(dense_model_or_source: Any, activation: float | None = None, *, shar
     return moh, report
 
 
-def check_output(output: str | os.PathLike) -> None:
-    """Refuse an output that is a file, lies under one, or is a non-empty folder: an upcycled
-    model never replaces anything. Run before any work."""
-    _check_output(Path(output), overwrite=False)
+def is_upcycled_folder(path: Path) -> bool:
+    """Whether ``path`` is what :func:`save_upcycled` wrote before it marked its outputs: a saved
+    model with ``upcycle_report.json`` and nothing else."""
+    return is_model_folder(path, extra=(REPORT_FILE,))
 
 
-def save_upcycled(model: MoHDiTTransformer2DModel, report: UpcycleReport, output: str | os.PathLike) -> Path:
-    """The model (``save_pretrained``) and ``upcycle_report.json``, published together by one
-    atomic rename into ``output``, which must not exist or be an empty folder."""
+def check_output(output: str | os.PathLike, overwrite: bool = False) -> None:
+    """Refuse an output that is a file or lies under one, and an existing folder unless
+    ``overwrite`` and it is empty or an earlier upcycled model (marked by moh-dit upcycle, or
+    :func:`is_upcycled_folder`): nothing else is ever replaced. Run before any work."""
     output = Path(output)
-    check_output(output)
-    with publish_folder(output, replace=True) as tmp:  # only an empty folder can be here
+    check_folder_path(output, "--output-dir", "give a folder path (output=)", error=FileExistsError)
+    check_replaceable(output, overwrite, "upcycle", is_upcycled_folder,
+                      f"an upcycled model (a saved MoHDiTTransformer2DModel with {REPORT_FILE})")
+
+
+def save_upcycled(model: MoHDiTTransformer2DModel, report: UpcycleReport, output: str | os.PathLike,
+                  overwrite: bool = False) -> Path:
+    """The model (``save_pretrained``) and ``upcycle_report.json``, published together by one
+    atomic rename into ``output``, which must not exist or be an empty folder, or, with
+    ``overwrite``, an earlier upcycled model (:func:`check_output`). A failed write (disk
+    full, ...) is an OSError naming ``output``."""
+    output = Path(output)
+    check_output(output, overwrite)
+    with naming_write_errors(output), publish_folder(output, replace=True) as tmp:  # refused above if not ours
         model.save_pretrained(tmp, safe_serialization=True)
         write_json_atomic(tmp / REPORT_FILE, report.to_json())
+        write_output_marker(tmp, "upcycle")
     return output
