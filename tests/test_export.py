@@ -24,6 +24,7 @@ from moh_dit.hub.bundle import BundleError, bundle_module
 from moh_dit.hub.export import HubPushError, INFO_FILE, export_pipeline, is_export, push_folder
 from moh_dit.sampling.sample import load_pipeline
 from moh_dit.sampling.sweep_results import SweepResult, SweepRow, write_sweep
+from moh_dit.utils.output_folders import OUTPUT_MARKER, write_output_marker
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -291,10 +292,11 @@ class _FakeHub:
     def create_repo(self, repo_id, **kwargs):
         self.calls.append(("create_repo", repo_id))
 
-    def upload_folder(self, repo_id, folder_path, commit_message):
+    def upload_folder(self, repo_id, folder_path, commit_message, ignore_patterns=None):
         from huggingface_hub.errors import HTTPError
 
         self.calls.append(("upload_folder", repo_id, str(folder_path)))
+        self.ignored = ignore_patterns
         if self.fail:
             raise HTTPError("connection reset by peer")
         return "https://huggingface.co/someone/m/commit/abc"
@@ -308,6 +310,7 @@ def test_push_is_one_upload_and_a_failed_one_leaves_no_new_repo(exported):
     assert push_folder(exported, "someone/m", api=hub).endswith("/commit/abc")
     assert hub.calls == [("repo_exists", "someone/m"), ("create_repo", "someone/m"),
                          ("upload_folder", "someone/m", str(exported))]
+    assert hub.ignored == [OUTPUT_MARKER]  # the local output marker is never pushed
     hub = _FakeHub(exists=False, fail=True)
     with pytest.raises(HubPushError, match="cannot reach the Hugging Face Hub .*connection reset by peer"):
         push_folder(exported, "someone/m", api=hub)
@@ -330,6 +333,9 @@ def _bad_inputs(tmp_path):
     (tmp_path / "theirs" / "notes.txt").write_text("mine")
     (tmp_path / "done").mkdir()
     (tmp_path / "done" / INFO_FILE).write_text(json.dumps({"exported_by": "moh_dit.hub.export"}))
+    (tmp_path / "done" / "metrics.json").write_text(json.dumps(METRICS))
+    (tmp_path / "trained" / "checkpoints").mkdir(parents=True)  # another command's output
+    write_output_marker(tmp_path / "trained", "train")
     (tmp_path / "no_metrics.json").write_text(json.dumps({"accuracy": 1.0}))
     (tmp_path / "sweep").mkdir()
     return model
@@ -352,7 +358,10 @@ BAD_FLAGS = [
     (["--model", "{tmp}/model", "--output", "{tmp}/file"], "exists and is not a folder; choose another --output"),
     (["--model", "{tmp}/model", "--output", "{tmp}/done"], "already exists; .*pass --overwrite"),
     (["--model", "{tmp}/model", "--output", "{tmp}/theirs", "--overwrite"], "which is not an export"),
-    (["--model", "{tmp}/model", "--output", "{tmp}/model/sub"], "the model folder or inside it"),
+    (["--model", "{tmp}/model", "--output", "{tmp}/model/sub"], "--output-dir .*sub lies inside --model"),
+    (["--model", "{tmp}/model", "--output", "{tmp}/trained", "--overwrite"], "which moh-dit train wrote"),
+    (["--model", "{tmp}/model", "--output", "{tmp}/done", "--metrics", "{tmp}/done/metrics.json", "--overwrite"],
+     "--output-dir .*done contains --metrics"),
     (["--model", "{tmp}/model", "--output", "{tmp}/file/sub"], "is a file"),
 ]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +33,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..data.datasets import center_crop_arr, find_image_folder, image_to_tensor, load_image, write_class_index
+from ..hub.outputs import check_replaceable, naming_write_errors
 from ..utils.io import publish_folder, write_json_atomic
-from ..utils.output_folders import check_output_folder
+from ..utils.output_folders import check_outside_inputs, hold_output_folder, write_output_marker
 from ..utils.logging import get_logger
+from ..utils.resources import check_fits_in_memory
 
 __all__ = [
     "ClassifierNotFoundError",
@@ -48,6 +51,12 @@ __all__ = [
 FORMAT = "moh-dit-classifier"
 FORMAT_VERSION = 1
 TORCHVISION_PREFIX = "torchvision:"
+# What a classifier.json may say: far beyond any classifier train_classifier makes, and small
+# enough that a width or class count typed into the file cannot ask for more memory than a
+# machine has before the check against the weights runs.
+MAX_CLASSES = 100_000
+MAX_WIDTH = 4096
+IMAGE_SIZE_RANGE = (8, 4096)
 
 logger = get_logger(__name__)
 
@@ -202,6 +211,35 @@ def _is_classifier_folder(path: Path) -> bool:
         return False
 
 
+def _fit(model: nn.Module, x_train: torch.Tensor, y_train: torch.Tensor, epochs: int, batch_size: int,
+         learning_rate: float, seed: int, image_size: int) -> None:
+    """AdamW with a cosine schedule, random flips and small shifts."""
+    steps_per_epoch = math.ceil(len(x_train) / batch_size)
+    total = epochs * steps_per_epoch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
+    generator = torch.Generator().manual_seed(seed)
+    shift = max(1, image_size // 16)
+    with tqdm(total=total, desc="classifier", mininterval=1.0) as bar:
+        for _ in range(epochs):
+            model.train()
+            order = torch.randperm(len(x_train), generator=generator)
+            for i in range(0, len(order), batch_size):
+                idx = order[i : i + batch_size]
+                loss = F.cross_entropy(model(_augment(x_train[idx], generator, shift)), y_train[idx])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+
+
+def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
+    check_replaceable(output_dir, overwrite, "train-classifier", _is_classifier_folder,
+                      "a classifier folder (no classifier.json)")
+
+
 def train_classifier(
     data_dir: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -222,54 +260,43 @@ def train_classifier(
     and resized to ``image_size`` as diffusion training does (ADM's crop). Training uses AdamW
     with a cosine schedule, random flips and small shifts. The folder is written atomically;
     an existing one is replaced only with ``overwrite`` and only if it is a classifier folder.
+    ``output_dir`` never lies inside ``data_dir`` (nor contains it), and the images must fit
+    in memory; both are checked before any work.
     """
     _check_train_args(image_size, epochs, batch_size, learning_rate, held_out_fraction, width, seed)
     output_dir = Path(output_dir)
-    check_output_folder(output_dir, overwrite, _is_classifier_folder, "a classifier folder (no classifier.json)")
+    _check_output_dir(output_dir, overwrite)
+    check_outside_inputs(output_dir, {"--data-dir": data_dir}, "--output-dir")
     classes, class_to_idx, samples = find_image_folder(data_dir)
     if len(classes) < 2:
         raise ValueError(f"{data_dir}: a classifier needs at least two class folders, found {len(classes)}")
-    start = time.perf_counter()
-    train_items, held_items = _split(samples, len(classes), held_out_fraction, seed)
-    x_train, y_train = _load_tensors(train_items, image_size, "reading training images")
-    x_held, y_held = _load_tensors(held_items, image_size, "reading held-out images")
-
-    torch.manual_seed(seed)
-    model = SmallCNN(len(classes), width=width)
-    steps_per_epoch = math.ceil(len(x_train) / batch_size)
-    total = epochs * steps_per_epoch
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
-    generator = torch.Generator().manual_seed(seed)
-    shift = max(1, image_size // 16)
-    with tqdm(total=total, desc="classifier", mininterval=1.0) as bar:
-        for _ in range(epochs):
-            model.train()
-            order = torch.randperm(len(x_train), generator=generator)
-            for i in range(0, len(order), batch_size):
-                idx = order[i : i + batch_size]
-                loss = F.cross_entropy(model(_augment(x_train[idx], generator, shift)), y_train[idx])
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                schedule.step()
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-    accuracy, per_class = _accuracy_per_class(model, x_held, y_held, classes) if len(x_held) else (float("nan"), {})
-    seconds = time.perf_counter() - start
-
-    with publish_folder(output_dir, replace=True) as tmp:
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp / "model.safetensors")
-        write_class_index(class_to_idx, tmp / "class_index.json")
-        write_json_atomic(tmp / "classifier.json", {
-            "format": FORMAT, "version": FORMAT_VERSION, "architecture": "SmallCNN",
-            "num_classes": len(classes), "width": width, "in_channels": 3, "image_size": image_size,
-            "classes": classes, "data_dir": str(Path(data_dir).resolve()),
-            "held_out": {"fraction": held_out_fraction, "count": len(held_items), "accuracy": accuracy,
-                         "per_class": per_class},
-            "train": {"count": len(train_items), "epochs": epochs, "batch_size": batch_size,
-                      "learning_rate": learning_rate, "seed": seed, "seconds": round(seconds, 1)},
-        })
+    check_fits_in_memory(len(samples) * 3 * image_size**2 * 4, f"--image-size {image_size} for {len(samples)} images",
+                         "use a smaller --image-size, or fewer images")
+    with hold_output_folder(output_dir, "train-classifier", "--output-dir"):
+        start = time.perf_counter()
+        train_items, held_items = _split(samples, len(classes), held_out_fraction, seed)
+        x_train, y_train = _load_tensors(train_items, image_size, "reading training images")
+        x_held, y_held = _load_tensors(held_items, image_size, "reading held-out images")
+        torch.manual_seed(seed)
+        model = SmallCNN(len(classes), width=width)
+        _fit(model, x_train, y_train, epochs, batch_size, learning_rate, seed, image_size)
+        accuracy, per_class = (_accuracy_per_class(model, x_held, y_held, classes) if len(x_held)
+                               else (float("nan"), {}))
+        seconds = time.perf_counter() - start
+        _check_output_dir(output_dir, overwrite)  # again: the folder may have appeared while training
+        with naming_write_errors(output_dir), publish_folder(output_dir, replace=True) as tmp:
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp / "model.safetensors")
+            write_class_index(class_to_idx, tmp / "class_index.json")
+            write_json_atomic(tmp / "classifier.json", {
+                "format": FORMAT, "version": FORMAT_VERSION, "architecture": "SmallCNN",
+                "num_classes": len(classes), "width": width, "in_channels": 3, "image_size": image_size,
+                "classes": classes, "data_dir": str(Path(data_dir).resolve()),
+                "held_out": {"fraction": held_out_fraction, "count": len(held_items), "accuracy": accuracy,
+                             "per_class": per_class},
+                "train": {"count": len(train_items), "epochs": epochs, "batch_size": batch_size,
+                          "learning_rate": learning_rate, "seed": seed, "seconds": round(seconds, 1)},
+            })
+            write_output_marker(tmp, "train-classifier")
     if log is not None:
         log(f"classifier: {100 * accuracy:.1f}% on {len(held_items)} held-out real images "
             f"({len(classes)} classes, {len(train_items)} training images, {seconds:.0f} s) -> {output_dir}")
@@ -281,17 +308,111 @@ def train_classifier(
 # --------------------------------------------------------------------------------------
 
 
+def _damaged(file: Path, problem: str) -> ValueError:
+    return ValueError(f"--classifier {file.parent}: {file.name} {problem}; it was edited or damaged: restore the folder "
+                      "or train the classifier again (moh-dit train-classifier)")
+
+
+def _integer_field(meta: dict, file: Path, key: str, low: int, high: int) -> int:
+    value = meta.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _damaged(file, f"says {key} {value!r}, not an integer in [{low}, {high}]")
+    return value
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    """``classifier.json``, checked field by field (and against ``class_index.json``) before
+    anything is built from it."""
+    file = path / "classifier.json"
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise _damaged(file, f"cannot be read as JSON ({type(error).__name__}: {error})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("architecture") != "SmallCNN":
+        raise ValueError(f"--classifier {path}: classifier.json is not a {FORMAT} SmallCNN record")
+    num_classes = _integer_field(meta, file, "num_classes", 1, MAX_CLASSES)
+    _integer_field(meta, file, "width", 1, MAX_WIDTH)
+    _integer_field(meta, file, "in_channels", 3, 3)  # samples are RGB
+    _integer_field(meta, file, "image_size", *IMAGE_SIZE_RANGE)
+    classes = meta.get("classes")
+    if (not isinstance(classes, list) or len(classes) != num_classes or not all(isinstance(c, str) for c in classes)
+            or len(set(classes)) != len(classes)):
+        raise _damaged(file, f"does not list {num_classes} distinct class names (num_classes) under classes")
+    held_out = meta.get("held_out", {})
+    accuracy = held_out.get("accuracy") if isinstance(held_out, dict) else "missing"
+    if accuracy is not None and (isinstance(accuracy, bool) or not isinstance(accuracy, (int, float))
+                                 or not (math.isnan(accuracy) or 0 <= accuracy <= 1)):
+        raise _damaged(file, f"says held_out accuracy {accuracy!r}, not a fraction in [0, 1]")
+    index_file = path / "class_index.json"
+    if index_file.exists():
+        try:
+            index = json.loads(index_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            raise _damaged(index_file, f"cannot be read as JSON ({type(error).__name__}: {error})") from None
+        if index != {name: i for i, name in enumerate(classes)}:
+            count = len(index) if isinstance(index, dict) else "no"
+            raise _damaged(index_file, f"maps {count} classes, which do not match the {num_classes} classes of "
+                                       "classifier.json in order")
+    return meta
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's reason in one short line (torch.load's and safetensors' messages run to paragraphs)."""
+    text = str(error).strip()
+    found = re.search(r"WeightsUnpickler error: ([^\n]+)", text)
+    line = found.group(1) if found else (text.splitlines()[0].split(". ")[0] if text else "")
+    return f"{type(error).__name__}: {line.rstrip('.')[:200]}"
+
+
+_RETRAIN = "restore it or train the classifier again (moh-dit train-classifier)"
+
+
+def _weights_shapes(file: Path, flag: str, advice: str = _RETRAIN) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a weights file's tensors, read from its header (nothing loaded)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"{flag} {file} is not a readable .safetensors file ({_first_line(error)}); {advice}") from None
+
+
+def _check_shapes(given: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], file: Path,
+                  flag: str, advice: str) -> None:
+    """The same tensor names with the same shapes, or one line naming the file and what differs."""
+    # BatchNorm fills in a missing step counter (older torchvision weight files have none).
+    missing = sorted(k for k in set(expected) - set(given) if not k.endswith("num_batches_tracked"))
+    unexpected = sorted(set(given) - set(expected))
+    wrong = [f"{k} {given[k]} instead of {expected[k]}" for k in sorted(set(given) & set(expected))
+             if tuple(given[k]) != tuple(expected[k])]
+    problems = ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
+               ([f"unexpected {', '.join(unexpected[:3])}"] if unexpected else []) + wrong[:3]
+    if problems:
+        raise ValueError(f"{flag} {file} does not hold the weights of this model ({'; '.join(problems)}); {advice}")
+
+
 def _load_folder(path: Path) -> SampleClassifier:
     if not (path / "classifier.json").is_file():
         raise ClassifierNotFoundError(
             f"--classifier {path}: not a classifier folder (no classifier.json); make one with "
             "moh-dit train-classifier --data-dir DIR --output-dir DIR, or give torchvision:NAME")
-    meta = json.loads((path / "classifier.json").read_text())
-    if meta.get("format") != FORMAT or meta.get("architecture") != "SmallCNN":
-        raise ValueError(f"--classifier {path}: classifier.json is not a {FORMAT} SmallCNN record")
-    model = SmallCNN(meta["num_classes"], width=meta["width"], in_channels=meta["in_channels"])
-    model.load_state_dict(load_file(path / "model.safetensors"))
-    size = int(meta["image_size"])
+    meta = _read_record(path)
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise ClassifierNotFoundError(f"--classifier {path}: {weights.name} is missing; train the classifier again "
+                                      "(moh-dit train-classifier)")
+    build = lambda: SmallCNN(meta["num_classes"], width=meta["width"], in_channels=meta["in_channels"])  # noqa: E731
+    with torch.device("meta"):  # shapes only: nothing is allocated until they match the file
+        expected = {k: tuple(v.shape) for k, v in build().state_dict().items()}
+    _check_shapes(_weights_shapes(weights, "--classifier"), expected, weights, "--classifier",
+                  "classifier.json and model.safetensors come from different classifiers; restore the folder or "
+                  "train the classifier again (moh-dit train-classifier)")
+    check_fits_in_memory(2 * 4 * sum(math.prod(shape) for shape in expected.values()), f"--classifier {path}",
+                         "use a machine with more memory")
+    model = build()
+    model.load_state_dict(load_file(weights))
+    size = meta["image_size"]
 
     def preprocess(x: torch.Tensor) -> torch.Tensor:
         return _resize_square(x, size) * 2.0 - 1.0
@@ -311,6 +432,29 @@ def _torchvision_weights(name: str):
                          f"(e.g. {known}, ...)") from err
 
 
+def _read_weights_file(file: Path, expected: dict[str, tuple[int, ...]], name: str) -> dict[str, torch.Tensor]:
+    """``--classifier-weights``: a .safetensors or torch state dict holding exactly the tensors of
+    torchvision's ``name`` (shapes checked before loading a .safetensors file); one line naming
+    the file otherwise."""
+    flag, advice = "--classifier-weights", f"give the state dict of torchvision's {name} (.pth or .safetensors)"
+    if not file.is_file():
+        raise ClassifierNotFoundError(f"{flag} {file}: no such file")
+    if file.suffix == ".safetensors":
+        _check_shapes(_weights_shapes(file, flag, advice), expected, file, flag, advice)
+        return load_file(file)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except MemoryError:
+        raise
+    except Exception as error:  # noqa: BLE001 - torch.load raises UnpicklingError, EOFError, RuntimeError, ...
+        raise ValueError(f"{flag} {file} is not a readable torch state dict (not a torch file, truncated, or holding "
+                         f"objects other than tensors: {_first_line(error)}); {advice}") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        raise ValueError(f"{flag} {file} holds a {type(state).__name__}, not a state dict of tensors; {advice}")
+    _check_shapes({k: tuple(v.shape) for k, v in state.items()}, expected, file, flag, advice)
+    return state
+
+
 def _load_torchvision(name: str, weights_file: str | os.PathLike | None) -> SampleClassifier:
     import torchvision
 
@@ -318,10 +462,7 @@ def _load_torchvision(name: str, weights_file: str | os.PathLike | None) -> Samp
     model = torchvision.models.get_model(name, weights=None)
     if weights_file is not None:
         weights_file = Path(weights_file).expanduser()
-        if not weights_file.is_file():
-            raise ClassifierNotFoundError(f"--classifier-weights {weights_file}: no such file")
-        state = (load_file(weights_file) if weights_file.suffix == ".safetensors"
-                 else torch.load(weights_file, map_location="cpu", weights_only=True))
+        state = _read_weights_file(weights_file, {k: tuple(v.shape) for k, v in model.state_dict().items()}, name)
         source = str(weights_file)
     else:
         try:

@@ -43,7 +43,8 @@ from .bundle import bundle_module
 from .export_format import PIPELINE_MODULE, TRANSFORMER_MODULE
 from ..utils.io import publish_folder, sha256_file, write_bytes_atomic, write_json_atomic
 from .model_card import model_card
-from ..utils.output_folders import check_output_folder
+from ..utils.output_folders import OUTPUT_MARKER, check_outside_inputs, hold_output_folder, write_output_marker
+from .outputs import check_replaceable, local_path, naming_write_errors
 from ..sampling.sample import check_model_flags, load_pipeline
 from ..sampling.sweep_results import JSON_FILE as SWEEP_JSON
 from ..training.run_folder import RUN_RECORD
@@ -240,6 +241,13 @@ class _Request:
     model_label: str
 
 
+def _check_output(out: Path, overwrite: bool) -> None:
+    """``--output-dir``: created, or an empty folder, or with ``overwrite`` an earlier export
+    (marked by moh-dit export, or with :data:`INFO_FILE`); nothing else is replaced."""
+    empty = out.is_dir() and not any(out.iterdir())
+    check_replaceable(out, overwrite or empty, "export", is_export, f"an export of {EXPORTED_BY} (it has {INFO_FILE})")
+
+
 def _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, overwrite, license) -> _Request:
     """All the checks, in the order of the flags, before anything is loaded or written."""
     source = resolve_model(model, vae)
@@ -252,11 +260,10 @@ def _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, ove
     if not license or any(c.isspace() for c in license):
         raise ValueError(f"--license {license!r}; give a Hub license id such as apache-2.0 or cc-by-nc-4.0.")
     out = Path(output).expanduser()
-    if out.resolve() == source.model_dir.resolve() or source.model_dir.resolve() in out.resolve().parents:
-        raise ValueError(f"--output-dir {output} is the model folder or inside it; choose a folder of its own.")
-    empty = out.is_dir() and not any(out.iterdir())
-    check_output_folder(out, overwrite or empty, is_export, f"an export of {EXPORTED_BY} (it has {INFO_FILE})",
-                        named="--output-dir ", flag="--output-dir")
+    _check_output(out, overwrite)
+    vae_path = None if vae is None or vae.lower() == "none" else local_path(vae)
+    check_outside_inputs(out, {"--model": Path(model).expanduser(), "--vae": vae_path, "--sweep": sweep,
+                               "--metrics": metrics}, "--output-dir")
     return _Request(source=source, output=out, vae=vae, variant=variant, metrics=metrics_dict, sweep=sweep_dict,
                     repo_id=push_to_hub, license=license, model_label=str(model))
 
@@ -288,12 +295,21 @@ def export_pipeline(
     work) and :class:`HubPushError` when the folder is written but the push failed.
     """
     request = _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, overwrite, license)
+    with hold_output_folder(request.output, "export", "--output-dir"):
+        _export(request, overwrite, private, token, progress)
+    return request.output
+
+
+def _export(request: _Request, overwrite: bool, private: bool | None, token: str | None, progress: bool) -> None:
+    """The checked export: load, write the folder beside ``request.output`` and publish it, push it."""
+    vae, variant, push_to_hub, license = request.vae, request.variant, request.repo_id, request.license
     stages = ["load", "weights", "code", "card"] + (["push"] if push_to_hub else [])
     bar = tqdm(total=len(stages), desc="export", unit="step", disable=not progress)
     source = request.source
     pipe = load_pipeline(source.model_dir, vae=vae, scheduler="saved" if source.is_pipeline else "ddpm")
     bar.update()
-    with publish_folder(request.output, replace=request.output.exists()) as tmp:
+    _check_output(request.output, overwrite)  # again under the lock: the folder may have appeared since
+    with naming_write_errors(request.output), publish_folder(request.output, replace=request.output.exists()) as tmp:
         _write_weights(pipe, tmp, variant)
         _rewrite_index(tmp)
         bar.update()
@@ -310,19 +326,20 @@ def export_pipeline(
             "variant": variant, "bundled_modules": code,
             "code_sha256": {name: sha256_file(tmp / name) for name in code},
         })
+        write_output_marker(tmp, "export")  # local bookkeeping: not in the card's file list, never pushed
         bar.update()
     if push_to_hub:
         push_folder(request.output, push_to_hub, token=token, private=private)
         bar.update()
     bar.close()
-    return request.output
 
 
 def _network_message(error: BaseException, repo_id: str, folder: Path) -> str:
     from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-    later = f"the export is complete in {folder}; push it later with `hf upload {repo_id} {folder}`"
+    later = (f"the export is complete in {folder}; push it later with "
+             f"`hf upload {repo_id} {folder} --exclude {OUTPUT_MARKER}`")
     if isinstance(error, OfflineModeIsEnabled):
         return f"cannot push to the Hugging Face Hub: offline mode is on (HF_HUB_OFFLINE=1); {later}"
     status = getattr(getattr(error, "response", None), "status_code", None)
@@ -351,7 +368,7 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, token: str | None = 
         if not api.repo_exists(repo_id):
             api.create_repo(repo_id, private=private, exist_ok=True)
             created = True
-        commit = api.upload_folder(repo_id=repo_id, folder_path=folder,
+        commit = api.upload_folder(repo_id=repo_id, folder_path=folder, ignore_patterns=[OUTPUT_MARKER],
                                    commit_message=f"MoH-DiT pipeline exported by moh-dit {__version__}")
     except (HTTPError, OSError) as error:
         if created:
