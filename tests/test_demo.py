@@ -35,3 +35,9 @@ def test_demo_end_to_end(tmp_path, monkeypatch, capsys):
         row["ratio"] for row in sweep["rows"]}
     assert (tmp_path / "demo" / "classifier" / "classifier.json").exists()
     assert (tmp_path / "demo" / "run" / "final" / "config.json").exists()
+    # The folder is marked as the demo's (a rerun continues it; another folder is refused), and no
+    # lock is left beside it.
+    from moh_dit.utils.output_folders import OUTPUT_MARKER
+
+    assert json.loads((tmp_path / "demo" / OUTPUT_MARKER).read_text())["written_by"] == "moh-dit demo"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

@@ -1,5 +1,6 @@
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +117,24 @@ def test_overwrite_replaces_only_a_demo_dataset(tmp_path):
     (tmp_path / "empty").mkdir()
     make_demo_dataset(tmp_path / "empty", images_per_class=1, image_size=20, overwrite=True)  # nothing to lose
     assert (tmp_path / "empty" / "demo_dataset.json").is_file()
+
+
+def test_help_states_the_sizes_the_check_accepts(tmp_path, load_script, capsys):
+    """The help said 20 to 1024 while 12 to 19 were accepted: both now come from one range."""
+    from moh_dit.data.demo_data import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE
+
+    script = load_script("make_demo_dataset")
+    with pytest.raises(SystemExit):
+        script.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    low, high = map(int, re.search(r"square image side in pixels \((\d+) to (\d+)\)", text).groups())
+    assert (low, high) == (MIN_IMAGE_SIZE, MAX_IMAGE_SIZE)
+    for size in (low - 1, high + 1):
+        with pytest.raises(ValueError, match=rf"must be in \[{low}, {high}\], got {size}"):
+            make_demo_dataset(tmp_path / "x", images_per_class=1, image_size=size)
+    assert script.cli(["--output-dir", str(tmp_path / "small"), "--images-per-class", "1", "--image-size", str(low)]) == 0
+    with Image.open(tmp_path / "small" / "red_circle" / "red_circle_00000.png") as img:
+        assert img.size == (low, low)
 
 
 # scripts/demo.py: every numeric flag is checked before the dataset is written or a step trained.

@@ -16,7 +16,9 @@ FID needs a feature network. The standard TF Inception is used when its weights 
 (--inception-weights, MOH_DIT_INCEPTION_WEIGHTS or the torch hub cache); otherwise the demo
 says so and uses the same InceptionV3 with a fixed random initialisation, whose numbers only
 compare the demo's own ratios and are not comparable to published ones.
-Rerunning continues where it stopped (the training resumes from its last checkpoint).
+Rerunning continues where it stopped (the training resumes from its last checkpoint). The
+folder is the demo's own: a rerun continues only a folder moh-dit demo made (it carries the
+package's output marker), and any other non-empty folder is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ from PIL import Image, ImageDraw
 from tqdm.auto import tqdm
 
 from moh_dit.evaluation.classifier import load_classifier, train_classifier
+from moh_dit.hub.outputs import marked_by
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
-from moh_dit.utils.io import write_json_atomic
+from moh_dit.utils.io import atomic_write, write_json_atomic
+from moh_dit.utils.output_folders import (OUTPUT_MARKER, check_outside_inputs, hold_output_folder,
+                                          write_output_marker)
 from moh_dit.utils.logging import get_logger, info_enabled
 from moh_dit.data.demo_data import make_demo_dataset
 from moh_dit.evaluation import InceptionWeightsNotFoundError, resolve_inception_weights
@@ -129,11 +134,48 @@ def check_args(args: argparse.Namespace) -> None:
         raise FileExistsError(f"--output-dir {args.output_dir} is a file; choose a folder")
 
 
+# What a demo folder holds; a folder with these alone (and the demo's dataset) is an earlier
+# demo's, from before the output marker.
+DEMO_ENTRIES = {"data", "reference", "classifier", "run", "cache", "sweep", "samples_grid.png", "demo_summary.json",
+                OUTPUT_MARKER}
+
+
+def check_demo_folder(out: Path) -> None:
+    """Refuse an --output-dir that exists and is not a demo's folder: the demo writes into it in
+    place (a rerun continues it), so it must be empty, marked by moh-dit demo, or an earlier
+    demo's folder. Writes nothing."""
+    if not out.is_dir():
+        return
+    writer = marked_by(out)
+    if writer == "moh-dit demo":
+        return
+    names = {p.name for p in out.iterdir()}
+    hidden = {n for n in names if n.startswith(".")}  # its stages' locks and temporary folders
+    earlier = names - hidden <= DEMO_ENTRIES and (out / "data" / "demo_dataset.json").is_file()
+    if writer is None and (not names or earlier):
+        return
+    by = f" ({writer} wrote it)" if writer else ""
+    raise FileExistsError(f"--output-dir {out} exists and is not a demo's folder{by}; choose another --output-dir "
+                          "(a rerun continues only a folder moh-dit demo made)")
+
+
 @command
 def main(args: argparse.Namespace) -> int:
     check_args(args)
-    start = time.perf_counter()
     out = Path(args.output_dir)
+    check_outside_inputs(out, {"--inception-weights": args.inception_weights}, "--output-dir")
+    check_demo_folder(out)
+    with hold_output_folder(out, "demo", "--output-dir"):
+        check_demo_folder(out)  # again, as the one writer
+        if marked_by(out) is None:
+            write_output_marker(out, "demo")
+        _run(args, out)
+    return 0
+
+
+def _run(args: argparse.Namespace, out: Path) -> None:
+    """The demo's five stages in ``out``; each finished one is kept and skipped on a rerun."""
+    start = time.perf_counter()
     data = out / "data"
     reference = out / "reference"  # fresh images of the same classes, never trained on
     size = args.image_size
@@ -162,7 +204,8 @@ def main(args: argparse.Namespace) -> int:
     pipe.set_progress_bar_config(disable=True)
     grid = labelled_grid(pipe, per_class=8, steps=args.sample_steps, guidance_scale=args.grid_guidance, seed=args.seed,
                          scale=max(1, 96 // size))
-    grid.save(out / "samples_grid.png")
+    with atomic_write(out / "samples_grid.png") as f:
+        grid.save(f, format="PNG")
     logger.info(f"[4/5] labelled sample grid: {out / 'samples_grid.png'}")
 
     try:
@@ -191,7 +234,6 @@ def main(args: argparse.Namespace) -> int:
         "class_accuracy": {row.ratio: row.class_accuracy for row in result.rows},
         "sweep": {k: str(v) for k, v in files.items()}})
     logger.info(f"done in {minutes:.1f} min: {out / 'samples_grid.png'}, {files['plot']}, {files['csv']}")
-    return 0
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import sys
 import time
 
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
-from moh_dit.data.demo_data import demo_classes, make_demo_dataset
+from moh_dit.data.demo_data import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, demo_classes, make_demo_dataset
 from moh_dit.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -20,9 +20,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True, help="folder to create (must not exist unless --overwrite)")
     parser.add_argument("--images-per-class", type=int, default=300, help="images in each of the 12 classes")
-    parser.add_argument("--image-size", type=int, default=32, help="square image side in pixels (20 to 1024)")
+    parser.add_argument("--image-size", type=int, default=32,
+                        help=f"square image side in pixels ({MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE})")
     parser.add_argument("--seed", type=int, default=0, help="image i of class c depends only on (seed, c, i); >= 0")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing demo dataset at --output-dir")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier demo dataset at --output-dir (never a folder this command did not write)")
     return parser.parse_args(argv)
 
 

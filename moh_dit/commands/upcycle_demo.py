@@ -18,7 +18,9 @@ Every training run uses the same optimiser settings, batch and data order. FID n
 network: the standard TF Inception when its weights are found (--inception-weights,
 MOH_DIT_INCEPTION_WEIGHTS or the torch hub cache), otherwise a fixed randomly initialised
 InceptionV3, whose numbers only compare these models with each other and are labelled so.
-Rerunning continues where it stopped (finished stages are kept, a stopped run resumes).
+Rerunning continues where it stopped (finished stages are kept, a stopped run resumes); it
+continues only a folder moh-dit upcycle-demo made with the same settings, and any other
+non-empty folder is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ import torch
 
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.data.demo_data import make_demo_dataset
+from moh_dit.hub.outputs import marked_by
 from moh_dit.utils.io import atomic_write, write_json_atomic
+from moh_dit.utils.output_folders import check_outside_inputs, hold_output_folder, write_output_marker
 from moh_dit.utils.logging import get_logger
 from moh_dit.training import TrainConfig, find_latest_checkpoint, train
 
@@ -189,31 +193,58 @@ def markdown_table(rows: list[dict[str, Any]], network: str, samples: int, sampl
 SETTINGS_FILE = "upcycle_demo_settings.json"
 
 
-def _claim(args: argparse.Namespace, out: Path) -> None:
-    """Record the settings; a rerun continues only a demo made with the same ones (finished
-    stages are reused, so other settings would mix two demos)."""
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
     # Where the demo is, where the Inception weights are found and how much it prints do not
     # change its results.
-    settings = {k: v for k, v in vars(args).items() if k not in ("output_dir", "inception_weights", "verbosity", "debug")}
-    path = out / SETTINGS_FILE
+    return {k: v for k, v in vars(args).items() if k not in ("output_dir", "inception_weights", "verbosity", "debug")}
+
+
+def check_claim(args: argparse.Namespace, out: Path) -> None:
+    """Refuse an --output-dir that is not empty and not an upcycling demo made with the same
+    settings (finished stages are reused, so other settings would mix two demos). Writes nothing."""
+    path, writer = out / SETTINGS_FILE, marked_by(out)
+    if writer not in (None, "moh-dit upcycle-demo"):
+        raise FileExistsError(f"--output-dir {out} exists and is not an upcycling demo ({writer} wrote it); "
+                              "choose another folder.")
     if path.is_file():
-        before = json.loads(path.read_text())
+        try:
+            before = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            raise ValueError(f"--output-dir {out}: {SETTINGS_FILE} cannot be read ({type(error).__name__}: {error}); "
+                             "use another --output-dir.") from None
+        settings = _settings(args)
         changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
         if changed:
             raise FileExistsError(f"--output-dir {out} holds a demo made with other settings "
                                   f"({', '.join(changed)}); use another --output-dir or the same flags.")
     elif out.is_dir() and any(out.iterdir()):
         raise FileExistsError(f"--output-dir {out} exists and is not an upcycling demo; choose another folder.")
-    else:
-        write_json_atomic(path, settings)
+
+
+def _claim(args: argparse.Namespace, out: Path) -> None:
+    """Check the folder (:func:`check_claim`), then record the settings and mark it as the demo's."""
+    check_claim(args, out)
+    if not (out / SETTINGS_FILE).is_file():
+        write_json_atomic(out / SETTINGS_FILE, _settings(args))
+    if marked_by(out) is None:
+        write_output_marker(out, "upcycle-demo")
 
 
 @command
 def main(args: argparse.Namespace) -> int:
     check_args(args)
-    start = time.perf_counter()
     out = Path(args.output_dir)
-    _claim(args, out)
+    check_outside_inputs(out, {"--inception-weights": args.inception_weights}, "--output-dir")
+    check_claim(args, out)
+    with hold_output_folder(out, "upcycle-demo", "--output-dir"):
+        _claim(args, out)  # checked again, as the one writer
+        _run(args, out)
+    return 0
+
+
+def _run(args: argparse.Namespace, out: Path) -> None:
+    """The demo's stages in ``out``; each finished one is kept and skipped on a rerun."""
+    start = time.perf_counter()
     n, m = args.dense_steps, args.continue_steps
     data, reference = out / "data", out / "reference"  # the reference is never trained on
     if not data.is_dir():
@@ -246,7 +277,6 @@ def main(args: argparse.Namespace) -> int:
         "settings": {k: v for k, v in vars(args).items() if k not in ("output_dir", "verbosity", "debug")}})
     logger.info(table)
     logger.info(f"done in {minutes:.1f} min: {out / 'upcycle_demo.md'}, {out / 'upcycle_demo.json'}")
-    return 0
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from ..hub.outputs import check_replaceable, naming_write_errors
 from ..utils.io import publish_folder, write_json_atomic
-from ..utils.output_folders import check_output_folder
+from ..utils.output_folders import hold_output_folder, write_output_marker
 
 __all__ = ["DEMO_SHAPES", "DEMO_COLOURS", "demo_classes", "render_demo_image", "make_demo_dataset"]
 
@@ -129,9 +130,18 @@ def make_demo_dataset(
             bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
             raise ValueError(f"{name} ({flag}) must be {bounds}, got {value}")
     output_dir = Path(output_dir)
-    check_output_folder(output_dir, overwrite, _is_demo_dataset,
-                        "a demo dataset (no demo_dataset.json written by this script)")
-    with publish_folder(output_dir, replace=True) as tmp:  # check_output_folder refused what may not be replaced
+    check_replaceable(output_dir, overwrite, "make-demo-dataset", _is_demo_dataset,
+                      "a demo dataset (no demo_dataset.json written by this script)")
+    with hold_output_folder(output_dir, "make-demo-dataset", "--output-dir"):
+        _draw(output_dir, overwrite, images_per_class, image_size, seed)
+    return output_dir
+
+
+def _draw(output_dir: Path, overwrite: bool, images_per_class: int, image_size: int, seed: int) -> None:
+    """Draw the checked dataset beside ``output_dir`` and publish it there."""
+    check_replaceable(output_dir, overwrite, "make-demo-dataset", _is_demo_dataset,  # again, under the lock
+                      "a demo dataset (no demo_dataset.json written by this script)")
+    with naming_write_errors(output_dir), publish_folder(output_dir, replace=True) as tmp:  # refused above if not ours
         classes = demo_classes()
         for label, name in enumerate(classes):
             (tmp / name).mkdir()
@@ -149,4 +159,4 @@ def make_demo_dataset(
                 "classes": classes,
             },
         )
-    return output_dir
+        write_output_marker(tmp, "make-demo-dataset")
