@@ -76,10 +76,13 @@ def test_vae_and_latent_cache_training(tmp_path, data, tiny_vae):
     from moh_dit.data.latents import extract_latents
 
     extract_latents(data, vae_dir, image_size=16, output_dir=tmp_path / "latents", batch_size=4, num_workers=0, progress=False)
+    # The image size and VAE are the cache's: left out here, recorded as the cache's.
     final = train(config(tmp_path, None, data_dir=None, latents_dir=str(tmp_path / "latents"), max_steps=2,
-                         output_dir=str(tmp_path / "latent_run")))
+                         output_dir=str(tmp_path / "latent_run"), vae=None, image_size=None))
     model = MoHDiTTransformer2DModel.from_pretrained(final)
     assert model.config.in_channels == 4 and model.config.sample_size == 8 and model.config.num_classes == 3
+    record = json.loads((tmp_path / "latent_run" / "train_config.json").read_text())
+    assert record["image_size"] == 16 and record["vae"] == str(vae_dir)
 
 
 def test_cache_and_on_the_fly_give_the_same_loss(tmp_path, data, tiny_vae):
@@ -1082,3 +1085,272 @@ def test_checkpoints_and_final_get_the_permissions_the_umask_gives(tmp_path, dat
         for f in folder.iterdir():
             if f.is_file():
                 assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
+
+
+# --------------------------------------------------------------------------------------
+# No command overwrites what it did not write: links, inputs, latent caches, damage, faults
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [[], ["--dry-run"]])
+def test_a_link_in_place_of_the_lock_is_refused_and_its_target_kept(tmp_path, data, refuses, extra):
+    """The run writes who holds the folder into OUT/.lock: through a link it would overwrite
+    (or create) whatever the link points to."""
+    run = tmp_path / "run"
+    run.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("user data\n")
+    (run / ".lock").symlink_to(victim)
+    refuses("train", cli_args(run, data, *extra), r"\.lock is a symbolic link.*delete the link")
+    assert victim.read_text() == "user data\n"
+
+
+@pytest.mark.parametrize("extra", [[], ["--dry-run"]])
+def test_a_dangling_link_in_place_of_the_lock_creates_nothing(tmp_path, data, load_script, capsys, extra):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock").symlink_to(tmp_path / "missing.txt")
+    capsys.readouterr()
+    assert run_cli_train(load_script, cli_args(run, data, *extra)) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and re.search(r"error: .*\.lock is a symbolic link", err), err
+    assert not (tmp_path / "missing.txt").exists() and sorted(p.name for p in run.iterdir()) == [".lock"]
+
+
+@pytest.fixture
+def own_data(tmp_path):
+    """Data under tmp_path, so that `refuses` sees anything a refused run would write into it."""
+    return make_image_folder(tmp_path / "data", per_class=2)
+
+
+@pytest.mark.parametrize("out, extra, match", [
+    ("data/run", ["--sample-every", 2], r"--output-dir .*data/run lies inside --data-dir"),
+    ("data/blue", [], r"lies inside --data-dir"),
+    ("data", [], r"--output-dir .*data is --data-dir"),
+    (".", [], r"--output-dir .* contains --data-dir"),
+    ("alias/run", [], r"lies inside --data-dir"),  # the same folder through a link
+    ("data/run", ["--dry-run"], r"lies inside --data-dir"),
+])
+def test_a_run_folder_inside_the_data_is_refused(tmp_path, own_data, refuses, out, extra, match):
+    """Sample grids, checkpoints/ and final/ written there would become images and classes of the data."""
+    (tmp_path / "alias").symlink_to(own_data, target_is_directory=True)
+    refuses("train", cli_args(tmp_path / out, own_data, *extra), match)
+
+
+def test_a_run_folder_inside_the_latent_cache_or_the_init_weights_is_refused(tmp_path, data, upcycled, refuses):
+    cache = tmp_path / "latents"
+    cache.mkdir()
+    argv = cli_args(cache / "run", data)
+    i = argv.index("--data-dir")
+    argv[i:i + 2] = ["--latents-dir", str(cache)]
+    refuses("train", argv, r"lies inside --latents-dir")
+    refuses("train", cli_args(upcycled / "run", data, "--preset", "MoH-DiT-Tiny-up75", "--init-from", upcycled),
+            r"lies inside --init-from")
+
+
+@pytest.fixture(scope="module")
+def small_cache(tmp_path_factory, data, tiny_vae):
+    """A 16 px latent cache of ``data`` made with a tiny VAE (8 x 8 x 4 latents)."""
+    from moh_dit.data.latents import extract_latents
+
+    root = tmp_path_factory.mktemp("cache")
+    tiny_vae().save_pretrained(root / "vae")
+    return extract_latents(data, root / "vae", root / "latents", 16, batch_size=6, num_workers=0, device="cpu",
+                           progress=False)
+
+
+def latent_args(out, cache, *extra):
+    argv = cli_args(out, cache, *extra)
+    i = argv.index("--data-dir")
+    argv[i:i + 2] = ["--latents-dir", str(cache)]
+    for flag in ("--vae", "--image-size"):  # the cache's unless given
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    return argv
+
+
+def test_a_latent_run_records_and_samples_with_the_caches_size_and_vae(tmp_path, small_cache, load_script):
+    run = tmp_path / "run"
+    vae = small_cache.parent / "vae"
+    assert run_cli_train(load_script, latent_args(run, small_cache, "--max-steps", 2, "--sample-every", 2,
+                                                  "--sample-steps", 2)) == 0
+    record = json.loads((run / "train_config.json").read_text())
+    assert record["image_size"] == 16 and record["vae"] == str(vae) and record["latent_shape"] == [4, 8, 8]
+    grid = Image.open(run / "samples" / "step-0000002.png")
+    # decoded images (RGB, 16 px: 3 classes x 4 rows with make_grid's 2 px padding), not raw latents (RGBA, 8 px)
+    assert grid.mode == "RGB" and grid.size == (3 * 18 + 2, 4 * 18 + 2)
+    # the same flags given explicitly are accepted
+    assert run_cli_train(load_script, latent_args(tmp_path / "explicit", small_cache, "--image-size", 16,
+                                                  "--vae", vae, "--dry-run")) == 0
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--image-size", 64], r"--image-size 64 does not match --latents-dir .*, which was made at 16 px; leave "
+                           r"--image-size out"),
+    (["--vae", "none"], r"--vae none trains on pixels, but --latents-dir .* holds latents of the VAE .*vae; leave "
+                        r"--vae out"),
+    (["--vae", "stabilityai/sd-vae-ft-ema"], r"--vae stabilityai/sd-vae-ft-ema is not the VAE --latents-dir .* was "
+                                             r"made with"),
+    (["--image-size", 64, "--dry-run"], r"--image-size 64 does not match"),
+])
+def test_flags_that_contradict_the_latent_cache_are_refused(tmp_path, small_cache, refuses, extra, match):
+    refuses("train", latent_args(tmp_path / "run", small_cache, *extra), match)
+
+
+def test_an_older_cache_without_its_image_size_needs_the_flag(tmp_path, small_cache, load_script, refuses):
+    import shutil
+
+    cache = tmp_path / "old"
+    shutil.copytree(small_cache, cache)
+    index = json.loads((cache / "index.json").read_text())
+    del index["image_size"]
+    (cache / "index.json").write_text(json.dumps(index))
+    refuses("train", latent_args(tmp_path / "run", cache, "--dry-run"), r"does not record the image size.*--image-size")
+    assert run_cli_train(load_script, latent_args(tmp_path / "run", cache, "--image-size", 16, "--dry-run")) == 0
+
+
+def test_a_checkpoint_without_its_marker_is_named_as_damage(tmp_path, data, load_script, capsys):
+    """A finished checkpoint is renamed into place only once its marker is written, so a
+    step-N folder without checkpoint.json was damaged; a hidden .step-N.tmp is a save in progress."""
+    run = tmp_path / "run"
+    assert run_cli_train(load_script, cli_args(run, data, "--checkpoints-total-limit", 0)) == 0
+    (run / "checkpoints" / "step-0000004" / "checkpoint.json").unlink()
+    (run / "checkpoints" / ".step-0000006.tmp").mkdir()
+    capsys.readouterr()
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 5, "--resume", "latest", "--dry-run")) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"warning: checkpoint .*step-0000004 is damaged \(.*step-0000004/checkpoint\.json is missing.*"
+                     r"resuming from .*step-0000002", err), err
+    assert ".step-0000006.tmp" not in err
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 5, "--resume", "latest")) == 0
+    assert "step-0000004 is damaged" in capsys.readouterr().err
+    assert log_steps(run) == [1, 2, 3, 4, 5]
+
+
+def test_a_folder_held_by_a_live_run_is_refused_by_the_dry_run_too(tmp_path, data, load_script, refuses):
+    import os
+
+    from moh_dit.utils.io import lock_file, write_lock_info
+
+    run = tmp_path / "run"
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 2)) == 0
+    fd = lock_file(run / ".lock")  # a live run's hold (another open file: flock tells them apart)
+    try:
+        write_lock_info(fd, {"pid": 4242, "host": "gpu7", "started": "today"})
+        refuses("train", cli_args(run, data, "--resume", "latest", "--dry-run"),
+                r"--output-dir .*run is in use by another training run \(pid 4242 on host gpu7")
+    finally:
+        os.close(fd)
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 3, "--resume", "latest", "--dry-run")) == 0
+
+
+def test_a_batch_that_cannot_fit_in_memory_is_refused_before_anything_is_written(tmp_path, data, refuses,
+                                                                                  monkeypatch):
+    """--global-batch-size 1000000000 used to fail with a MemoryError after the run record was
+    written; here the machine is made small (1 MiB) instead, so that the test stays cheap."""
+    import moh_dit.utils.resources as resources
+
+    monkeypatch.setattr(resources, "available_memory", lambda: 2**20)
+    for extra in ([], ["--dry-run"]):
+        refuses("train", cli_args(tmp_path / "run", data, "--global-batch-size", 1000, "--max-steps", 1,
+                                  "--checkpoint-every", 1, *extra),
+                r"--global-batch-size 1000 \(1000 inputs of 3x16x16 per process and pass\) needs about 6\.0 MiB of "
+                r"memory, more than the 1\.0 MiB available on this machine; use a smaller --global-batch-size")
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_says_how_to_continue(tmp_path, data, monkeypatch, refuses,
+                                                                            load_script):
+    run = tmp_path / "run"
+
+    def crash(*args, **kwargs):
+        raise _Crash
+
+    monkeypatch.setattr(trainer, "update_ema", crash)
+    with pytest.raises(_Crash):
+        train(config(tmp_path, data))
+    monkeypatch.undo()
+    refuses("train", cli_args(run, data), r"already holds a run \(train_config\.json exists\)\. Continue it with "
+                                          r"--resume latest \(an earlier run of this command stopped before its "
+                                          r"first checkpoint; --resume latest starts it again from step 0\)")
+    assert run_cli_train(load_script, cli_args(run, data, "--resume", "latest")) == 0
+
+
+def _no_space(kind: str, filename):
+    import errno
+
+    from safetensors import SafetensorError
+
+    if kind == "safetensors":  # safetensors' own error: not an OSError, no path
+        return SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    return OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "oserror"])
+def test_a_full_disk_during_a_checkpoint_is_one_line_naming_it_and_a_rerun_resumes(tmp_path, data, load_script,
+                                                                                   monkeypatch, capsys, kind):
+    run = tmp_path / "run"
+    real = training_checkpoints.save_file
+
+    def full_at_step_4(tensors, filename, metadata=None):
+        if "step-0000004" in str(filename):
+            Path(filename).write_bytes(b"half")
+            raise _no_space(kind, filename)
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(training_checkpoints, "save_file", full_at_step_4)
+    capsys.readouterr()
+    assert run_cli_train(load_script, cli_args(run, data, "--quiet", "--ema-decay", 0.5)) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err  # --quiet: the error alone
+    assert re.search(r"^error: No space left on device while writing .*/checkpoints/\.step-0000004\.tmp/"
+                     r"\S+\.safetensors; checkpoint .*/checkpoints/step-0000004 was not saved and the earlier "
+                     r"checkpoints are intact: free space .* --resume latest$", err.strip()), err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-0000002"]  # nothing half-written
+    training.verify_checkpoint(run / "checkpoints" / "step-0000002")
+    monkeypatch.undo()
+    assert run_cli_train(load_script, cli_args(run, data, "--resume", "latest")) == 0
+    assert log_steps(run) == [1, 2, 3, 4]
+
+
+def test_the_run_folder_and_final_carry_the_marker_of_train(tmp_path, data):
+    from moh_dit.utils.output_folders import OUTPUT_MARKER
+
+    final = train(config(tmp_path, data, max_steps=2))
+    for folder in (tmp_path / "run", final):
+        assert json.loads((folder / OUTPUT_MARKER).read_text())["written_by"] == "moh-dit train"
+
+
+def test_a_failure_on_the_main_process_reaches_the_others_with_its_kind_errno_and_path(monkeypatch):
+    """What another process of a launch raises when the main process fails (no real launch:
+    the broadcast is played back)."""
+    import errno
+    import types
+
+    import accelerate.utils
+
+    from moh_dit.utils.io import LinkRefusedError
+
+    sent = {}
+
+    def broadcast(payload, from_process=0):
+        if "payload" in sent:
+            payload[:] = sent["payload"]
+        else:
+            sent["payload"] = list(payload)
+
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", broadcast)
+    for error, kind in ((OSError(errno.ENOSPC, "No space left on device while writing /x", "/x"), OSError),
+                        (LinkRefusedError("/r/.lock is a symbolic link"), FileExistsError),
+                        (KeyError("bug"), RuntimeError)):
+        sent.clear()
+
+        def fail():
+            raise error
+
+        with pytest.raises(type(error)):
+            training_checkpoints.on_main(types.SimpleNamespace(is_main_process=True, num_processes=2), fail)
+        with pytest.raises(kind) as raised:
+            training_checkpoints.on_main(types.SimpleNamespace(is_main_process=False, num_processes=2), fail)
+        if kind is OSError:
+            assert (raised.value.errno, raised.value.filename) == (errno.ENOSPC, "/x")
+        assert "/x" in str(raised.value) or "lock" in str(raised.value) or "KeyError" in str(raised.value)

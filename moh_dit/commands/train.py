@@ -15,7 +15,8 @@ Left out, --mixed-precision and --gradient-accumulation-steps are accelerate's (
 config), and --report-to is tensorboard if it is installed, else none; the run prints what it uses.
 
 The --output-dir belongs to one run: a second run into it while it trains is refused, and so
-is a new run (no --resume) into a folder that holds one. Checkpoints are safetensors and JSON,
+is a new run (no --resume) into a folder that holds one, or one inside --data-dir. With
+--latents-dir the image size and VAE are the cache's. Checkpoints are safetensors and JSON,
 checked against their recorded SHA-256 before a resume (see docs/training.md).
 """
 
@@ -28,7 +29,7 @@ import os
 import sys
 import typing
 
-from moh_dit.utils.cli import ArgumentParser, EXPECTED_ERRORS, command, run_cli
+from moh_dit.utils.cli import ArgumentParser, EXPECTED_ERRORS, command, environment_fault, run_cli
 from moh_dit.utils.logging import get_logger
 from moh_dit.training import TrainConfig, TrainingDivergedError, preflight, train
 
@@ -85,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value_type = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
         _add_flag(groups[one_of] if one_of is not None else p, f, value_type, p)
     p.add_argument("--dry-run", action="store_true",
-                   help="check everything, print the resolved configuration and exit (writes nothing, takes no lock)")
+                   help="check everything, print the resolved configuration and exit (writes nothing, takes no lock; "
+                        "refuses a folder that a live run holds)")
     return p.parse_args(argv)
 
 
@@ -97,12 +99,31 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
+class MachineFaultError(OSError):
+    """A fault of the machine met by the run (a full disk, a quota, a read-only file system):
+    shown as its message, which names the path, rather than in Python's ``[Errno N] ...`` form."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
 @command
 def main(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except OSError as error:
+        fault = None if isinstance(error, MachineFaultError) else environment_fault(error)
+        if fault is None:
+            raise
+        raise MachineFaultError(error.errno, fault) from error
+
+
+def _run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if args.dry_run:
         what = preflight(cfg)
-        print(json.dumps(cfg.__dict__, indent=2, default=str))
+        # As the run would record it: a latent cache's image size and VAE filled in.
+        print(json.dumps(cfg.resolved().__dict__, indent=2, default=str))
         print(what, file=sys.stderr)
         return 0
     final = train(cfg)

@@ -13,6 +13,7 @@ processes -- all go on, or all raise together -- so that none is left at a barri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -20,7 +21,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..data.datasets import ResumableSampler
-from ..utils.io import set_ordinary_permissions, sha256_file, write_json_atomic
+from ..utils.io import naming_path, set_ordinary_permissions, sha256_file, write_json_atomic
 from .config import CheckpointIntegrityError, RunFolderBusyError, TrainConfig, TrainingDivergedError, warn
 
 CHECKPOINT_PREFIX = "step-"
@@ -53,6 +54,22 @@ _ERRORS = {cls.__name__: cls for cls in (RunFolderBusyError, CheckpointIntegrity
                                           FileNotFoundError, ValueError, TrainingDivergedError, OSError)}
 
 
+def _known_class(error: BaseException) -> str | None:
+    """The name of the nearest class of ``error`` (itself or a base) that every process knows."""
+    return next((cls.__name__ for cls in type(error).__mro__ if cls.__name__ in _ERRORS), None)
+
+
+def _rebuild(report: tuple) -> Exception:
+    """The error another process reported: its kind, message, and an OSError's errno and path."""
+    name, message, code, strerror, filename = report
+    cls = _ERRORS.get(name) if name is not None else None
+    if cls is None:
+        return RuntimeError(f"the main process failed: {message}")
+    if issubclass(cls, OSError) and code is not None:
+        return cls(code, strerror, filename)
+    return cls(message)
+
+
 def on_main(accelerator, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on the main process only and give its result -- or its error -- to every
     process, so that all of them go on or all raise together (none waits forever)."""
@@ -65,14 +82,15 @@ def on_main(accelerator, fn: Callable[[], Any]) -> Any:
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
-        payload = [result, None if error is None else (type(error).__name__, str(error))]
+        report = None if error is None else (
+            _known_class(error), f"{type(error).__name__}: {error}" if _known_class(error) is None else str(error),
+            getattr(error, "errno", None), getattr(error, "strerror", None), getattr(error, "filename", None))
+        payload = [result, report]
         broadcast_object_list(payload, from_process=0)
         if not accelerator.is_main_process:
             result = payload[0]
             if payload[1] is not None:
-                name, message = payload[1]
-                cls = _ERRORS.get(name)
-                raise (cls(message) if cls is not None else RuntimeError(f"the main process failed: {name}: {message}"))
+                raise _rebuild(payload[1])
     if error is not None:
         raise error
     return result
@@ -147,8 +165,9 @@ def verify_checkpoint(folder: str | os.PathLike) -> dict:
     folder = Path(folder)
     marker_path = folder / COMPLETE_MARKER
     if not marker_path.is_file():
-        raise CheckpointIntegrityError(f"{marker_path} is missing: {folder} is not a finished checkpoint "
-                                       "(an interrupted save, or not a checkpoint folder).")
+        raise CheckpointIntegrityError(f"{marker_path} is missing: {folder} is not a finished checkpoint (its "
+                                       "completion marker was deleted or lost, or the folder is an interrupted "
+                                       "save or not a checkpoint).")
     try:
         marker = json.loads(marker_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
@@ -301,18 +320,49 @@ def _state_dict_for_file(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
 
 
+def _as_os_error(error: BaseException, path: Path) -> OSError | None:
+    """``error`` as an OSError that names ``path``: an OSError without a path, or safetensors'
+    SafetensorError (not an OSError) reporting an operating-system error such as a full disk
+    ("... (os error 28)"); None for any other error."""
+    if isinstance(error, OSError):
+        return naming_path(error, path)
+    if type(error).__name__ == "SafetensorError":
+        match = re.search(r"os error (\d+)|code: (\d+)", str(error))
+        if match:
+            code = int(match.group(1) or match.group(2))
+            return OSError(code, f"{os.strerror(code)} while writing {path}", str(path))
+    return None
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Let a failed write of ``path`` (a full disk, a quota, a read-only file system) raise an
+    OSError of its errno that names ``path``, whichever library was writing."""
+    try:
+        yield
+    except Exception as error:
+        named = _as_os_error(error, path)
+        if named is None or named is error:
+            raise
+        raise named from error
+
+
 def _write_checkpoint_files(parts: Parts, folder: Path) -> None:
     """Every process writes its RNG states; the main process writes the rest."""
     acc = parts.accelerator
-    _save_tree(_rng_state(), folder / RNG_FILE.format(acc.process_index))
+    writers: list[tuple[str, Callable[[Path], None]]] = [(RNG_FILE.format(acc.process_index),
+                                                          lambda p: _save_tree(_rng_state(), p))]
     if acc.is_main_process:
-        save_file(_state_dict_for_file(parts.model), str(folder / MODEL_FILE))
-        save_file(_state_dict_for_file(parts.ema), str(folder / EMA_FILE))
-        _save_tree(parts.optimizer.state_dict(), folder / OPTIMIZER_FILE)
-        _save_json_tree(parts.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
+        writers += [(MODEL_FILE, lambda p: save_file(_state_dict_for_file(parts.model), str(p))),
+                    (EMA_FILE, lambda p: save_file(_state_dict_for_file(parts.ema), str(p))),
+                    (OPTIMIZER_FILE, lambda p: _save_tree(parts.optimizer.state_dict(), p)),
+                    (SCHEDULER_FILE, lambda p: _save_json_tree(parts.lr_scheduler.state_dict(), p)),
+                    (STATE_FILE, lambda p: write_json_atomic(p, parts.state.state_dict()))]
         if acc.scaler is not None:
-            _save_json_tree(acc.scaler.state_dict(), folder / SCALER_FILE)
-        write_json_atomic(folder / STATE_FILE, parts.state.state_dict())
+            writers.append((SCALER_FILE, lambda p: _save_json_tree(acc.scaler.state_dict(), p)))
+    for name, write in writers:
+        with writing(folder / name):
+            write(folder / name)
 
 
 def load_checkpoint(parts: Parts, folder: Path) -> None:
@@ -388,8 +438,11 @@ def save_checkpoint(parts: Parts, cfg: TrainConfig, step: int, run: dict[str, An
         tmp.mkdir()
 
     def finish() -> None:
-        files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p, fsync=True)}
-                 for p in sorted(tmp.iterdir()) if p.is_file()}
+        files = {}
+        for p in sorted(tmp.iterdir()):
+            if p.is_file():
+                with writing(p):  # the flush to disk is where a full disk may show
+                    files[p.name] = {"size": p.stat().st_size, "sha256": sha256_file(p, fsync=True)}
         write_json_atomic(tmp / COMPLETE_MARKER, {
             "format": CHECKPOINT_FORMAT, "step": step, "preset": cfg.preset,
             "num_processes": accelerator.num_processes, "run": run, "files": files})
@@ -406,8 +459,19 @@ def save_checkpoint(parts: Parts, cfg: TrainConfig, step: int, run: dict[str, An
         _prune_checkpoints(ckpt_dir, run["run_id"], step, cfg.checkpoints_total_limit)
 
     on_main(accelerator, prepare)
-    everywhere(accelerator, lambda: _write_checkpoint_files(parts, tmp))
-    on_main(accelerator, finish)
+    try:
+        everywhere(accelerator, lambda: _write_checkpoint_files(parts, tmp))
+        on_main(accelerator, finish)
+    except OSError as error:
+        # Every process is past its writes here: the half-written folder goes (on a full disk
+        # it holds the space a rerun needs); finished checkpoints were never touched.
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error.errno is None:
+            raise
+        raise OSError(error.errno, f"{error.strerror or error}; checkpoint {final} was not saved and the earlier "
+                      "checkpoints are intact: free space (or fix the file system), then run the same command "
+                      "with --resume latest", error.filename) from error
     return final
 
 

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 from ..models.presets import PRESETS
 from ..utils.logging import get_logger
+from ..utils.output_folders import check_outside_inputs
+from ..utils.resources import check_fits_in_memory
 from ..utils.speed import COMPILE_MODES
 from .schedules import EMA_INV_GAMMA, EMA_POWER, LR_SCHEDULERS, initial_weight_share
 from .tracking import REPORT_TO, check_installed
@@ -24,6 +26,10 @@ DIFFUSION_STEPS = 1000
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 ON_CORRUPT = ("error", "skip")
 DEFAULT_GLOBAL_BATCH_SIZE = 256  # DiT's
+# What --data-dir runs use when --image-size / --vae are left out; a --latents-dir run takes
+# both from its cache.
+DEFAULT_IMAGE_SIZE = 256
+DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 # The run's EMA would still be more than this share of the initial weights at the end: warn.
 EMA_STALE_SHARE = 0.1
 
@@ -83,10 +89,11 @@ class TrainConfig:
     data_dir: str | None = option(None, "ImageFolder: one sub-folder of images per class", one_of="data",
                                   aliases=("--train_data_dir",))
     latents_dir: str | None = option(None, "latent cache written by moh-dit extract-latents", one_of="data")
-    vae: str = option("stabilityai/sd-vae-ft-ema", "AutoencoderKL hub id or local folder, or 'none' for pixel space "
-                      "(default: %(default)s)")
+    vae: str | None = option(None, "AutoencoderKL hub id or local folder, or 'none' for pixel space (default: "
+                             f"{DEFAULT_VAE}; with --latents-dir, the cache's VAE)")
     vae_subfolder: str | None = option(None, "subfolder of --vae holding the VAE (e.g. 'vae' of a pipeline)")
-    image_size: int = option(256, aliases=("--resolution",))
+    image_size: int | None = option(None, f"image size in pixels (default: {DEFAULT_IMAGE_SIZE}; with --latents-dir, "
+                                    "the size the cache was made at)", aliases=("--resolution",))
     max_steps: int = option(400_000, "optimiser steps of the whole run (default: %(default)s)",
                             aliases=("--max_train_steps",))
     global_batch_size: int | None = option(
@@ -165,14 +172,15 @@ class TrainConfig:
         out = Path(self.output_dir)
         if out.exists() and not out.is_dir():
             raise ValueError(f"--output-dir {str(out)!r} exists and is not a folder; give a folder for the run.")
-        if self.data_dir is not None and self.vae.lower() != "none":
+        if self.vae is not None and self.vae.lower() != "none":
             if Path(self.vae).exists() and not Path(self.vae).is_dir():
                 raise ValueError(f"--vae {self.vae!r} is a file; give a VAE folder or hub id, or --vae none for "
                                  "pixel space.")
-        if self.vae_subfolder is not None and (self.data_dir is None or self.vae.lower() == "none"):
+        if self.vae_subfolder is not None and (self.data_dir is None or self.pixel_space):
             raise ValueError(f"--vae-subfolder {self.vae_subfolder!r} needs a VAE, but the run uses "
                              f"{'--latents-dir' if self.data_dir is None else '--vae none'}; drop --vae-subfolder.")
-        optional = ("global_batch_size", "train_batch_size", "gradient_accumulation_steps")  # None: decided later
+        # None: decided later (the batch by the launch, the image size by the data)
+        optional = ("global_batch_size", "train_batch_size", "gradient_accumulation_steps", "image_size")
         for name in ("max_steps", "checkpoint_every", "image_size", "log_every", *optional):
             value = getattr(self, name)
             if not (value is None and name in optional):
@@ -215,6 +223,30 @@ class TrainConfig:
             raise ValueError(f"--resume {self.resume!r} is neither 'latest' nor an existing checkpoint folder.")
         self._validate_init()
         self._validate_compile()
+        self._validate_folders()
+
+    @property
+    def pixel_space(self) -> bool:
+        """Whether the run trains on pixels (``--vae none`` with ``--data-dir``)."""
+        return self.data_dir is not None and self.vae is not None and self.vae.lower() == "none"
+
+    def _validate_folders(self) -> None:
+        """The run folder never is, lies inside or contains what the run reads: sample grids
+        and checkpoints written into --data-dir would become training images of a class."""
+        inputs = {"--data-dir": self.data_dir, "--latents-dir": self.latents_dir, "--init-from": self.init_from}
+        if self.data_dir is not None and not self.pixel_space and self.vae is not None and Path(self.vae).is_dir():
+            inputs["--vae"] = self.vae
+        check_outside_inputs(self.output_dir, inputs)
+
+    def resolved(self) -> "TrainConfig":
+        """This config with the image size and VAE the run really uses, as it records them: the
+        defaults for --data-dir; for --latents-dir, the cache's (from its index.json), refusing
+        an --image-size or --vae given that differs from what the cache was made with. Reads
+        the cache's index, nothing else."""
+        if self.data_dir is not None:
+            return dataclasses.replace(self, image_size=self.image_size or DEFAULT_IMAGE_SIZE,
+                                       vae=self.vae or DEFAULT_VAE)
+        return dataclasses.replace(self, **cache_settings(self.latents_dir, self.image_size, self.vae))
 
     def check_batch_split(self, num_processes: int, accumulation: int | None = None) -> int:
         """The global batch of a launch of ``num_processes`` accumulating ``accumulation``
@@ -298,6 +330,64 @@ class TrainConfig:
         if steps and PRESETS[self.preset].get("num_shared_heads") is None:
             raise ValueError(f"--router-warmup-steps {steps}: {self.preset} is a dense DiT without routers; use a MoH "
                              "preset or drop the flag.")
+
+
+def _same_vae(given: str, recorded: str) -> bool:
+    """Whether --vae ``given`` names the VAE a cache records: the same id, or the same folder."""
+    if given == recorded:
+        return True
+    try:
+        return Path(given).is_dir() and Path(recorded).is_dir() and Path(given).samefile(recorded)
+    except OSError:
+        return False
+
+
+def cache_settings(latents_dir: str, image_size: int | None, vae: str | None) -> dict[str, Any]:
+    """``image_size``, ``vae`` and ``vae_subfolder`` of a run on the latent cache ``latents_dir``:
+    the cache's. A flag given that disagrees with the cache is refused, naming both: latents
+    of one size and VAE trained as another would be recorded, sampled and exported wrongly."""
+    from ..data.latents import read_cache_index
+
+    meta = read_cache_index(latents_dir)
+    where = f"--latents-dir {latents_dir}"
+    size, made_with = meta.get("image_size"), meta.get("vae") or None
+    if vae is not None and vae.lower() == "none":
+        raise ValueError(f"--vae none trains on pixels, but {where} holds latents of the VAE "
+                         f"{made_with or '(not recorded)'}; leave --vae out: a run on a latent cache takes its VAE.")
+    if vae is not None and made_with is not None and not _same_vae(vae, made_with):
+        raise ValueError(f"--vae {vae} is not the VAE {where} was made with ({made_with}); leave --vae out (a run on "
+                         "a latent cache takes its VAE), or make a cache with that VAE (moh-dit extract-latents).")
+    if image_size is not None and size is not None and image_size != size:
+        raise ValueError(f"--image-size {image_size} does not match {where}, which was made at {size} px; leave "
+                         "--image-size out (a run on a latent cache takes its size), or make a cache at "
+                         f"{image_size} px (moh-dit extract-latents --image-size {image_size}).")
+    if size is None and image_size is None:
+        raise ValueError(f"{where} does not record the image size it was made at (an older cache); pass that size "
+                         "with --image-size.")
+    return {"image_size": image_size or int(size), "vae": vae or made_with,
+            "vae_subfolder": meta.get("vae_subfolder")}
+
+
+def check_batch_memory(cfg: "TrainConfig", per_process: int) -> None:
+    """Refuse a batch whose images alone cannot fit in this machine's memory, before anything
+    is written. The estimate is a lower bound: each image of ``per_process`` as float32, twice
+    (the loader's items and the batch they are stacked into), and the sampler's entry for it;
+    the model's activations come on top."""
+    if cfg.latents_dir is not None:
+        from ..data.latents import read_cache_index
+
+        shape = read_cache_index(cfg.latents_dir).get("latent_shape") or [4, 1, 1]
+    else:
+        size = cfg.image_size or DEFAULT_IMAGE_SIZE
+        shape = [3, size, size]
+    item = 4 * math.prod(int(n) for n in shape)
+    given = (f"--global-batch-size {cfg.global_batch_size}" if cfg.global_batch_size is not None
+             else f"--train-batch-size {cfg.train_batch_size}" if cfg.train_batch_size is not None
+             else f"the default --global-batch-size {DEFAULT_GLOBAL_BATCH_SIZE}")
+    check_fits_in_memory(per_process * (2 * item + 128),
+                         f"{given} ({per_process} inputs of {'x'.join(map(str, shape))} per process and pass)",
+                         "use a smaller --global-batch-size (or --train-batch-size), more "
+                         "--gradient-accumulation-steps, or more processes")
 
 
 def data_source(cfg_or_record: Any) -> tuple[str, str | None]:

@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..data.datasets import write_class_index
-from ..utils.io import FileLockedError, lock_file, write_json_atomic, write_lines_atomic, write_lock_info
-from .checkpoints import (COMPLETE_MARKER, checkpoint_folders, checkpoint_run_id, complete_checkpoints,
-                          verify_checkpoint)
-from .config import CheckpointIntegrityError, RunFolderBusyError, TrainConfig, data_source, warn
+from ..utils.io import (FileLockedError, LinkRefusedError, lock_file, read_lock_info, write_json_atomic,
+                        write_lines_atomic, write_lock_info)
+from ..utils.output_folders import is_package_output, write_output_marker
+from .checkpoints import checkpoint_folders, checkpoint_run_id, complete_checkpoints, verify_checkpoint
+from .config import (DEFAULT_GLOBAL_BATCH_SIZE, CheckpointIntegrityError, RunFolderBusyError, TrainConfig,
+                     check_batch_memory, data_source, warn)
 
 RUN_RECORD = "train_config.json"
 LOCK_FILE = ".lock"
@@ -107,6 +109,16 @@ def _holds_run(out: Path) -> str | None:
     return None
 
 
+def _holds_run_beyond_start(out: Path) -> str | None:
+    """What in ``out`` shows that its run got past its start (a checkpoint folder, or final/), or None."""
+    ckpts = out / "checkpoints"
+    if (out / "final").exists():
+        return "final/"
+    if ckpts.is_dir() and any(ckpts.iterdir()):
+        return "checkpoints/"
+    return None
+
+
 def _busy_message(out: Path, holder: dict | None) -> str:
     if holder:
         who = (f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}")
@@ -132,9 +144,10 @@ def _latest_intact(out: Path, record: dict | None, warnings: list[str]) -> tuple
     """The newest checkpoint of this run that passes verification; damaged ones are named."""
     run_id = (record or {}).get("run_id")
     damaged: list[tuple[Path, str]] = []
+    # A save in progress or interrupted is a hidden '.step-N.tmp' folder, renamed to 'step-N'
+    # only once its marker is written: a 'step-N' folder without a marker is damage (a deleted
+    # or lost checkpoint.json), named like any other.
     for _, folder in reversed(checkpoint_folders(out / "checkpoints")):
-        if not (folder / COMPLETE_MARKER).exists():
-            continue  # a save that never finished is not a checkpoint
         try:
             marker = verify_checkpoint(folder)
         except CheckpointIntegrityError as error:
@@ -165,8 +178,12 @@ def plan_run(cfg: TrainConfig) -> Plan:
     if cfg.resume is None:
         what = _holds_run(out)
         if what is not None:
+            started = what in (RUN_RECORD, LOG_FILES[0]) and _holds_run_beyond_start(out) is None
+            hint = (" (an earlier run of this command stopped before its first checkpoint; --resume latest starts it "
+                    "again from step 0)" if started else "")
             raise FileExistsError(f"--output-dir {out} already holds a run ({what} exists). Continue it with --resume "
-                                  "latest, or start a new run with another --output-dir; nothing of it is replaced.")
+                                  f"latest{hint}, or start a new run with another --output-dir; nothing of it is "
+                                  "replaced.")
         return Plan(None, None, None, uuid.uuid4().hex, notes, warnings)
     if record is not None:
         _check_same_run(cfg, record, str(out / RUN_RECORD))
@@ -202,8 +219,14 @@ def plan_run(cfg: TrainConfig) -> Plan:
 
 def preflight(cfg: TrainConfig) -> str:
     """Validate ``cfg`` and check its run folder as ``train`` would, writing nothing and
-    taking no lock (``--dry-run``); returns what ``train`` would do."""
+    taking no lock (``--dry-run``); returns what ``train`` would do. A folder that a live run
+    holds is refused, as ``train`` would refuse it (:meth:`FolderLock.peek`)."""
     cfg.validate()
+    resolved = cfg.resolved()
+    # The batch of one process (the launch's number of processes is not known here).
+    check_batch_memory(resolved, cfg.train_batch_size or max(1, (cfg.global_batch_size or DEFAULT_GLOBAL_BATCH_SIZE)
+                                                              // (cfg.gradient_accumulation_steps or 1)))
+    FolderLock(Path(cfg.output_dir)).peek()
     plan = plan_run(cfg)
     for message in [*plan.warnings, cfg.ema_warning()]:
         if message is not None:
@@ -226,6 +249,28 @@ class FolderLock:
                 self.fd = lock_file(self.path, create=False)
             except FileLockedError as error:
                 raise RunFolderBusyError(_busy_message(self.out, error.holder)) from None
+
+    def peek(self) -> None:
+        """Whether a live run holds the folder, without taking or creating the lock and without
+        writing: a shared lock tried on the existing file and let go at once (a live holder has
+        it exclusively). A link in place of the lock is refused, as :meth:`probe` refuses it."""
+        import fcntl
+
+        if self.path.is_symlink():
+            raise LinkRefusedError(f"{self.path} is a symbolic link, and a lock file is never written through a "
+                                   "link; delete the link and run the command again")
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunFolderBusyError(_busy_message(self.out, read_lock_info(self.path))) from None
+        except OSError:
+            return  # a file system without locks: train itself says so when it takes the lock
+        finally:
+            os.close(fd)
 
     def acquire(self) -> bool:
         """Hold the lock and write who holds it; True if it had to be created (then the
@@ -279,6 +324,8 @@ def record_run(cfg: TrainConfig, facts: dict[str, Any], class_to_idx: dict[str, 
     """Once the state has loaded: the run record (every option plus ``facts``), the class
     map, and the logs trimmed to ``step``."""
     out_dir = Path(cfg.output_dir)
+    if not is_package_output(out_dir):  # once: the run folder is moh-dit train's
+        write_output_marker(out_dir, "train")
     write_json_atomic(out_dir / RUN_RECORD, {**dataclasses.asdict(cfg), **facts})
     write_class_index(class_to_idx, out_dir / "class_index.json")
     _trim_logs(out_dir, step)

@@ -35,11 +35,12 @@ from ..diffusion.gaussian_diffusion import create_diffusion
 from ..models.presets import resolve_layer_layout
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 from ..utils.io import atomic_write, publish_folder
-from ..utils.logging import get_logger
+from ..utils.output_folders import write_output_marker
+from ..utils.logging import get_logger, info_enabled
 from ..utils.runtime import set_tf32
 from ..utils.speed import compile_model, peak_flops, training_flops_per_image
-from .checkpoints import Parts, TrainState, load_checkpoint, on_main, save_checkpoint
-from .config import TrainConfig, TrainingDivergedError, warn
+from .checkpoints import Parts, TrainState, everywhere, load_checkpoint, on_main, save_checkpoint, writing
+from .config import TrainConfig, TrainingDivergedError, check_batch_memory, warn
 from .run_folder import FolderLock, Plan, claim_folder, normalized, probe_and_plan, record_run, run_identity
 from .schedules import build_lr_scheduler, ema_decay_at
 from .tracking import log_images, log_with, resolve_report_to
@@ -136,6 +137,7 @@ def _start_accelerator(cfg: TrainConfig) -> tuple[Any, TrainConfig]:
     from accelerate.utils import ProjectConfiguration
 
     cfg.validate()  # before the Accelerator, which would otherwise report bad options in its own terms
+    cfg = cfg.resolved()  # the image size and VAE of a latent cache are the cache's
     report_to, tracker_source = resolve_report_to(cfg.report_to)
     if cfg.mixed_precision is not None:
         precision_source = "--mixed-precision"
@@ -151,6 +153,8 @@ def _start_accelerator(cfg: TrainConfig) -> tuple[Any, TrainConfig]:
     )
     cfg = cfg.for_launch(accelerator.num_processes, accelerator.mixed_precision,
                          accelerator.gradient_accumulation_steps, report_to)
+    # Each process's machine may have another amount of memory: all stop if any must.
+    everywhere(accelerator, lambda: check_batch_memory(cfg, cfg.train_batch_size))
     kind = str(accelerator.distributed_type).upper()
     if any(name in kind for name in ("DEEPSPEED", "FSDP", "MEGATRON")):
         raise ValueError(f"accelerate's {accelerator.distributed_type} is not supported by this trainer's checkpoints; "
@@ -226,25 +230,39 @@ def _build_data(cfg: TrainConfig, accelerator) -> _Data:
 @dataclass
 class LatentSpace:
     """What the model denoises: latents of ``vae`` scaled by ``scaling`` (encoded on the fly),
-    a latent cache's (``vae`` None, already scaled), or pixels (both None)."""
+    a latent cache's (``vae`` None, already scaled), or pixels (both None). ``decoder`` turns
+    latents into images for the sample grids: ``vae``, or the cache's VAE (loaded only when
+    the run samples)."""
 
     shape: tuple[int, int, int]  # (C, h, w)
     vae: Any | None
     scaling: float | None
+    decoder: Any | None = None
 
 
 def _build_latent_space(cfg: TrainConfig, dataset, device: torch.device) -> LatentSpace:
     """A latent cache's space, pixels (``--vae none``), or the VAE's latents (the VAE loaded here)."""
     if cfg.latents_dir is not None:
-        return LatentSpace(tuple(dataset.latent_shape), None, dataset.scaling_factor)
-    if cfg.vae.lower() == "none":
+        decoder = None
+        if cfg.sample_every:  # the grids show images, decoded with the VAE the cache was made with
+            if not cfg.vae:
+                raise ValueError(f"--latents-dir {cfg.latents_dir} does not record its VAE, which --sample-every "
+                                 "needs to decode the sample grids; give it with --vae, or drop --sample-every.")
+            try:
+                decoder = load_vae(cfg.vae, cfg.vae_subfolder, device=device)
+            except FileNotFoundError as error:
+                raise FileNotFoundError(f"{error} --sample-every decodes the sample grids with the VAE of "
+                                        f"--latents-dir {cfg.latents_dir}: make it available, or drop "
+                                        "--sample-every.") from None
+        return LatentSpace(tuple(dataset.latent_shape), None, dataset.scaling_factor, decoder)
+    if cfg.pixel_space:
         return LatentSpace((3, cfg.image_size, cfg.image_size), None, None)
     vae = load_vae(cfg.vae, cfg.vae_subfolder, device=device)
     factor = vae_downsample_factor(vae)
     if cfg.image_size % factor:
         raise ValueError(f"--image-size {cfg.image_size} is not divisible by the VAE's downsampling factor {factor}.")
     size = cfg.image_size // factor
-    return LatentSpace((vae.config.latent_channels, size, size), vae, vae.config.scaling_factor)
+    return LatentSpace((vae.config.latent_channels, size, size), vae, vae.config.scaling_factor, vae)
 
 
 def _build_model(cfg: TrainConfig, space: LatentSpace, classes: list[str]):
@@ -448,7 +466,8 @@ class _TrainLog:
         if parts.accelerator.is_main_process:
             from tqdm.auto import tqdm
 
-            self.progress = tqdm(total=cfg.max_steps, initial=parts.state.step, desc="train", dynamic_ncols=True)
+            self.progress = tqdm(total=cfg.max_steps, initial=parts.state.step, desc="train", dynamic_ncols=True,
+                                 disable=not info_enabled())  # --quiet hides it, as every command's bars
         self._new_window()
 
     def _new_window(self) -> None:
@@ -487,8 +506,7 @@ class _TrainLog:
                 speed["mfu"] = f"{100 * logs['mfu']:.1f}%"
             self.progress.set_postfix(loss=f"{logs['loss']:.4f}", mse=f"{logs['mse']:.4f}", lb=f"{logs['lb']:.3f}",
                                       **speed)
-            with open(Path(self.cfg.output_dir) / "train_log.jsonl", "a") as f:
-                f.write(json.dumps({"step": state.step, **logs}) + "\n")
+            _append_line(Path(self.cfg.output_dir) / "train_log.jsonl", {"step": state.step, **logs})
         self._new_window()
 
     def _head_balance(self, head_usage: list[torch.Tensor], logs: dict[str, Any]) -> None:
@@ -499,12 +517,18 @@ class _TrainLog:
                 # coefficient of variation of routed-head usage: 0 = perfectly balanced
                 logs[f"head_balance_cv/layer_{i:02d}"] = (routed.std() / routed.mean().clamp_min(1e-8)).item()
         if self.parts.accelerator.is_main_process:
-            with open(Path(self.cfg.output_dir) / "head_usage.jsonl", "a") as f:
-                f.write(json.dumps({"step": self.parts.state.step, "usage": [u.tolist() for u in head_usage]}) + "\n")
+            _append_line(Path(self.cfg.output_dir) / "head_usage.jsonl",
+                         {"step": self.parts.state.step, "usage": [u.tolist() for u in head_usage]})
 
     def close(self) -> None:
         if self.progress is not None:
             self.progress.close()
+
+
+def _append_line(path: Path, entry: dict) -> None:
+    """One JSON line at the end of a log; a failed write (a full disk) names the log."""
+    with writing(path), open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 def _save_sample_grid(cfg: TrainConfig, parts: Parts, diffusion, space: LatentSpace, num_classes: int) -> None:
@@ -512,7 +536,7 @@ def _save_sample_grid(cfg: TrainConfig, parts: Parts, diffusion, space: LatentSp
     and seeds at every sample step; also to the trackers that take images (``samples``)."""
     from torchvision.utils import make_grid, save_image
 
-    images = sample_grid(parts.ema, diffusion, num_classes, space.shape, space.vae, steps=cfg.sample_steps,
+    images = sample_grid(parts.ema, diffusion, num_classes, space.shape, space.decoder, steps=cfg.sample_steps,
                          per_class=4, seed=cfg.seed, device=parts.accelerator.device)
     with atomic_write(Path(cfg.output_dir) / "samples" / f"step-{parts.state.step:07d}.png") as f:
         save_image(images, f, nrow=min(num_classes, 16), format="png")
@@ -558,7 +582,8 @@ def sample_grid(model, diffusion, num_classes: int, latent_shape, vae=None, step
         # IDDPM clips the predicted image to [-1, 1] in pixel space; DiT does not clip latents.
         x = sampler.p_sample(out.float(), x.float(), t, noise=noise, clip_denoised=vae is None)["sample"]
     if vae is not None:
-        x = vae.decode(x / vae.config.scaling_factor).sample
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        x = vae.decode(x / vae.config.scaling_factor + shift).sample
     return ((x.clamp(-1, 1) + 1) / 2).float().cpu()
 
 
@@ -576,8 +601,10 @@ def _export_final(cfg: TrainConfig, parts: Parts, class_to_idx: dict[str, int]) 
     if accelerator.is_main_process:
         # Replaces only this run's previous export: a refused start protects any other.
         with publish_folder(final, replace=True) as tmp:
-            parts.ema.save_pretrained(tmp, safe_serialization=True)
-            write_class_index(class_to_idx, tmp / "class_index.json")
+            with writing(final):  # a full disk names final/, not the temporary folder
+                parts.ema.save_pretrained(tmp, safe_serialization=True)
+                write_class_index(class_to_idx, tmp / "class_index.json")
+                write_output_marker(tmp, "train")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
