@@ -1,7 +1,9 @@
 """The README's first command, at toy scale: dataset -> training -> labelled grid -> sweep."""
 
 import json
+import os
 import runpy
+import stat
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_demo_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("MOH_DIT_INCEPTION_WEIGHTS", raising=False)
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # no cached real weights
+    previous_umask = os.umask(0o022)
+    try:
+        _run_demo(tmp_path, capsys)
+    finally:
+        os.umask(previous_umask)
+
+
+def _run_demo(tmp_path, capsys):
     demo = runpy.run_path(str(ROOT / "scripts" / "demo.py"))
     args = demo["parse_args"]([
         "--output-dir", str(tmp_path / "demo"), "--images-per-class", "3", "--max-steps", "4", "--batch-size", "8",
@@ -41,3 +51,7 @@ def test_demo_end_to_end(tmp_path, monkeypatch, capsys):
 
     assert json.loads((tmp_path / "demo" / OUTPUT_MARKER).read_text())["written_by"] == "moh-dit demo"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    # Everything the demo wrote is readable by others under the usual umask.
+    modes = {("dir" if p.is_dir() else "file", oct(stat.S_IMODE(p.stat().st_mode)))
+             for p in [tmp_path / "demo", *(tmp_path / "demo").rglob("*")]}
+    assert modes == {("dir", "0o755"), ("file", "0o644")}
