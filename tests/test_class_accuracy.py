@@ -33,7 +33,8 @@ def shapes(tmp_path_factory):
 @pytest.mark.slow
 def test_classifier_folder_layout_and_record(shapes):
     folder = shapes["trained"].path
-    assert sorted(p.name for p in folder.iterdir()) == ["class_index.json", "classifier.json", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == [".moh-dit-output.json", "class_index.json", "classifier.json",
+                                                          "model.safetensors"]
     meta = json.loads((folder / "classifier.json").read_text())
     assert meta["classes"] == shapes["classes"] == sorted(shapes["classes"])
     assert json.loads((folder / "class_index.json").read_text()) == {c: i for i, c in enumerate(shapes["classes"])}
