@@ -1354,3 +1354,25 @@ def test_a_failure_on_the_main_process_reaches_the_others_with_its_kind_errno_an
         if kind is OSError:
             assert (raised.value.errno, raised.value.filename) == (errno.ENOSPC, "/x")
         assert "/x" in str(raised.value) or "lock" in str(raised.value) or "KeyError" in str(raised.value)
+
+
+def test_a_full_disk_while_exporting_final_is_one_line_and_a_rerun_exports_it(tmp_path, data, load_script,
+                                                                              monkeypatch, capsys):
+    import errno
+
+    run = tmp_path / "run"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer, "write_class_index", full)
+    capsys.readouterr()
+    assert run_cli_train(load_script, cli_args(run, data, "--quiet", "--ema-decay", 0.5)) == 1
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert re.search(r"^error: No space left on device while writing .*run/final; .*run/final was not exported and "
+                     r"the checkpoints are intact: .* --resume latest, which exports it again$", err), err
+    assert sorted(p.name for p in run.iterdir() if "final" in p.name) == []  # no half-written export left
+    monkeypatch.undo()
+    assert run_cli_train(load_script, cli_args(run, data, "--resume", "latest")) == 0
+    assert (run / "final" / "config.json").is_file()

@@ -600,11 +600,18 @@ def _export_final(cfg: TrainConfig, parts: Parts, class_to_idx: dict[str, int]) 
     final = Path(cfg.output_dir) / "final"
     if accelerator.is_main_process:
         # Replaces only this run's previous export: a refused start protects any other.
-        with publish_folder(final, replace=True) as tmp:
-            with writing(final):  # a full disk names final/, not the temporary folder
-                parts.ema.save_pretrained(tmp, safe_serialization=True)
-                write_class_index(class_to_idx, tmp / "class_index.json")
-                write_output_marker(tmp, "train")
+        try:
+            with publish_folder(final, replace=True) as tmp:
+                with writing(final):  # a full disk names final/, not the temporary folder
+                    parts.ema.save_pretrained(tmp, safe_serialization=True)
+                    write_class_index(class_to_idx, tmp / "class_index.json")
+                    write_output_marker(tmp, "train")
+        except OSError as error:
+            if error.errno is None:
+                raise
+            raise OSError(error.errno, f"{error.strerror or error}; {final} was not exported and the checkpoints are "
+                          "intact: free space (or fix the file system), then run the same command with --resume "
+                          "latest, which exports it again", error.filename) from error
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
