@@ -141,3 +141,188 @@ def test_sizes_beyond_the_machine_are_refused():
                                          r"available on this machine; use fewer\."):
         check_fits_in_memory(2**30, "--num-samples 9", "use fewer", available=2**20)
     check_fits_in_memory(2**19, "--num-samples 9", "use fewer", available=2**20)
+
+
+# --------------------------------------------------------------------------------------
+# Each rule, walked over every command that writes an output folder. A recipe makes the
+# command's inputs under ``root`` and returns its argv with ``out`` as the output folder;
+# inputs are tiny, and every recipe's flags keep a run short should a check ever let it
+# through. ``inputs`` names the input folder an output could be put inside (None: the
+# command reads no folder of the user's).
+# --------------------------------------------------------------------------------------
+
+import argparse  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from moh_dit import MoHDiTTransformer2DModel  # noqa: E402
+from moh_dit.data.demo_data import make_demo_dataset  # noqa: E402
+from moh_dit.hub.convert import model_to_release_state_dict  # noqa: E402
+
+
+def _moh(root: Path) -> Path:
+    if not (root / "moh").exists():
+        MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8).save_pretrained(root / "moh")
+    return root / "moh"
+
+
+def _data(root: Path) -> Path:
+    if not (root / "data").exists():
+        make_demo_dataset(root / "data", images_per_class=1, image_size=16)
+    return root / "data"
+
+
+def _images(path: Path, count: int = 4) -> Path:
+    rng = np.random.default_rng(0)
+    np.savez(path, arr_0=rng.integers(0, 256, (count, 16, 16, 3), dtype=np.uint8))
+    return path
+
+
+def _train(root, out):
+    return ["--preset", "MoH-DiT-Tiny", "--data-dir", _data(root), "--vae", "none", "--image-size", "16",
+            "--output-dir", out, "--max-steps", "1", "--global-batch-size", "4", "--num-workers", "0",
+            "--report-to", "none"]
+
+
+def _extract_latents(root, out):
+    from conftest import tiny_vae_
+
+    if not (root / "vae").exists():
+        tiny_vae_(levels=2).save_pretrained(root / "vae")
+    return ["--data-dir", _data(root), "--vae", root / "vae", "--image-size", "16", "--output-dir", out,
+            "--num-workers", "0", "--device", "cpu", "--batch-size", "4"]
+
+
+def _sample(root, out):
+    return ["--model", _moh(root), "--output-dir", out, "--num-samples", "2", "--per-device-batch-size", "2",
+            "--num-inference-steps", "1"]
+
+
+def _sweep(root, out):
+    return ["--model", _moh(root), "--ref", _images(root / "ref.npz"), "--ratios", "1.0", "--num-samples", "4",
+            "--num-inference-steps", "1", "--random-inception-seed", "0", "--no-cache", "--device", "cpu",
+            "--output-dir", out]
+
+
+def _convert(root, out):
+    (root / "release").mkdir(exist_ok=True)
+    model = MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8)
+    torch.save({"ema": model_to_release_state_dict(model), "args": argparse.Namespace()}, root / "release" / "ckpt.pt")
+    return ["--checkpoint", root / "release" / "ckpt.pt", "--preset", "MoH-DiT-Tiny", "--output-dir", out]
+
+
+def _upcycle(root, out):
+    if not (root / "dense").exists():
+        MoHDiTTransformer2DModel.from_preset("DiT-Tiny", sample_size=8).save_pretrained(root / "dense")
+    return ["--checkpoint", root / "dense", "--activation", "0.75", "--output-dir", out]
+
+
+def _export(root, out):
+    return ["--model", _moh(root), "--output-dir", out]
+
+
+def _train_classifier(root, out):
+    return ["--data-dir", _data(root), "--output-dir", out, "--image-size", "16", "--epochs", "1", "--width", "2",
+            "--batch-size", "8"]
+
+
+def _make_demo_dataset(root, out):
+    return ["--output-dir", out, "--images-per-class", "1", "--image-size", "12"]
+
+
+def _demo(root, out):
+    return ["--output-dir", out, "--images-per-class", "1", "--max-steps", "1", "--batch-size", "4",
+            "--sample-steps", "1", "--sweep-samples", "4", "--reference-per-class", "1", "--ratios", "1.0"]
+
+
+def _upcycle_demo(root, out):
+    return ["--output-dir", out, "--dense-steps", "1", "--continue-steps", "1", "--router-warmup-steps", "0",
+            "--images-per-class", "1", "--reference-per-class", "1", "--eval-samples", "4", "--sample-steps", "1",
+            "--classifier-epochs", "1", "--calibration-batches", "1", "--batch-size", "4"]
+
+
+# module -> (marker name, recipe, input folder flag whose folder an output may not lie in, has --overwrite)
+WRITERS = {
+    "train": ("train", _train, "data", False),
+    "extract_latents": ("extract-latents", _extract_latents, "data", True),
+    "sample": ("sample", _sample, "moh", False),
+    "sweep_head_ratio": ("sweep", _sweep, "moh", False),
+    "convert_checkpoint": ("convert", _convert, None, True),  # reads a file: writing beside it is fine
+    "upcycle": ("upcycle", _upcycle, "dense", True),
+    "export_pipeline": ("export", _export, "moh", True),
+    "train_classifier": ("train-classifier", _train_classifier, "data", True),
+    "make_demo_dataset": ("make-demo-dataset", _make_demo_dataset, None, True),
+    "demo": ("demo", _demo, None, False),
+    "upcycle_demo": ("upcycle-demo", _upcycle_demo, None, False),
+}
+
+
+def _lock_of(module: str, out: Path) -> Path:
+    """Where the one-writer lock of ``out`` lives: training keeps its own inside the run folder."""
+    return out / ".lock" if module == "train" else out.parent / f".{out.name}.lock"
+
+
+@pytest.mark.parametrize("module", WRITERS)
+def test_a_second_writer_stops_at_once_naming_the_first(module, tmp_path, refuses):
+    name, recipe, _, _ = WRITERS[module]
+    out = tmp_path / "out"
+    (tmp_path / "in").mkdir()
+    argv = recipe(tmp_path / "in", out)
+    if module == "train":
+        out.mkdir()
+        fd = lock_file(_lock_of(module, out))
+        try:
+            refuses(module, argv, r"in use by another training run")
+        finally:
+            os.close(fd)
+        return
+    with hold_output_folder(out, "sample", "--output-dir"):
+        refuses(module, argv, r"--output-dir .*out is being written by another command \(moh-dit sample, pid \d+")
+
+
+@pytest.mark.parametrize("module", WRITERS)
+def test_a_link_in_place_of_the_lock_is_never_written_through(module, tmp_path, refuses):
+    name, recipe, _, _ = WRITERS[module]
+    (tmp_path / "in").mkdir()
+    out = tmp_path / "out"
+    argv = recipe(tmp_path / "in", out)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's file\n")
+    if module == "train":
+        out.mkdir()
+    _lock_of(module, out).symlink_to(victim)
+    refuses(module, argv, r"is a symbolic link")
+    assert victim.read_text() == "the user's file\n"
+
+
+@pytest.mark.parametrize("module", WRITERS)
+def test_a_folder_the_package_did_not_write_is_never_replaced(module, tmp_path, refuses, load_script):
+    name, recipe, _, overwrite = WRITERS[module]
+    (tmp_path / "in").mkdir()
+    out = tmp_path / "out"
+    argv = recipe(tmp_path / "in", out) + (["--overwrite"] if overwrite else [])
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's notes\n")
+    if module == "train":
+        # A run folder may be one the user made (holding notes, a launch script): training
+        # only adds its own files there, and refuses a folder that already holds a run.
+        assert load_script(module).cli([str(a) for a in argv]) == 0
+        assert (out / "notes.txt").read_text() == "the user's notes\n" and (out / "final").is_dir()
+        return
+    refuses(module, argv, r"out")  # the refusal names the folder
+    assert (out / "notes.txt").read_text() == "the user's notes\n"
+
+
+@pytest.mark.parametrize("module", [m for m, (_, _, source, _) in WRITERS.items() if source is not None])
+@pytest.mark.parametrize("where", ["inside", "equal"])
+def test_an_output_inside_an_input_is_refused_before_any_work(module, where, tmp_path, refuses):
+    name, recipe, source, _ = WRITERS[module]
+    root = tmp_path / "in"
+    root.mkdir()
+    recipe(root, tmp_path / "unused")  # make the inputs
+    out = root / source / "out" if where == "inside" else root / source
+    argv = recipe(root, out) + (["--overwrite"] if where == "equal" and WRITERS[module][3] else [])
+    # Equal to an input, the folder is also not the command's own output: either refusal will do.
+    refuses(module, argv, r"lies inside" if where == "inside" else r"is --|already|would replace")
