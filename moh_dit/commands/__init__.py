@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-demo-dataset": ("make_demo_dataset", "draw the demo's dataset of shapes"),
     "demo": ("demo", "the whole job offline on the CPU, on data the package draws"),
     "upcycle-demo": ("upcycle_demo", "upcycling against training from scratch, at demo scale"),
+    "plot-head-usage": ("plot_head_usage", "figures of which heads each layer uses (from samples or a training log)"),
 }
 
 

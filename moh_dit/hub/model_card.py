@@ -3,8 +3,10 @@
 A YAML metadata header (library, pipeline tag, license, tags) and then, from the pipeline and
 the files given: the model (preset, size, classes, VAE), its per-layer head layout, the head
 activation it was trained at and the range it can run at, the training recipe from the run's
-``train_config.json``, evaluation results (``moh-dit evaluate``'s JSON) and a head-ratio
-sweep (``sweep.json``), how to load and sample it, and the MoH paper's citation.
+``train_config.json``, evaluation results (``moh-dit evaluate``'s JSON), a head-ratio
+sweep (``sweep.json``), the head-usage figure (``head_usage.png``, written by
+``moh_dit.evaluation.head_usage.write_head_usage`` into the folder) and a table of its numbers,
+how to load and sample it, and the MoH paper's citation.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from huggingface_hub import ModelCardData
 from ..models.layout import HeadLayout
 from ..models.presets import PRESETS
 
-__all__ = ["PIPELINE_TAG", "TAGS", "CITATION", "match_presets", "model_card"]
+__all__ = ["HEAD_USAGE_PLOT", "PIPELINE_TAG", "TAGS", "CITATION", "match_presets", "model_card"]
 
 # The Hub has no class-conditional image task; its image-generation task without a text or
 # image input is the closest, and the tags say what the condition is.
@@ -43,6 +45,7 @@ _RECIPE = (  # train_config.json key, row label
 )
 _METRICS = (("fid", "FID"), ("sfid", "sFID"), ("inception_score", "IS"), ("precision", "precision"), ("recall", "recall"))
 _CLASS_ACCURACY = (("class_accuracy", "class accuracy"),)  # only when a classifier measured it
+HEAD_USAGE_PLOT = "head_usage.png"  # moh_dit.evaluation.head_usage.PLOT_FILE: embedded when the folder has it
 
 
 def match_presets(config: dict[str, Any]) -> list[str]:
@@ -157,6 +160,43 @@ def _sweep_section(sweep: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def _routed_balance(loads: Sequence[float]) -> tuple[str, str]:
+    """(min-max, coefficient of variation) of a layer's routed loads; "-" for fewer than two."""
+    if len(loads) < 2:
+        return "-", "-"
+    mean = sum(loads) / len(loads)
+    spread = math.sqrt(sum((x - mean) ** 2 for x in loads) / (len(loads) - 1))
+    return f"{min(loads):.3f}-{max(loads):.3f}", f"{spread / mean:.3f}" if mean > 0 else "-"
+
+
+def _head_usage_section(head_usage: Any, files: Sequence[str]) -> list[str]:
+    """The head-usage figure when the folder has :data:`HEAD_USAGE_PLOT`, and the per-layer
+    balance of the routed heads from ``head_usage`` (``HeadUsage`` or its ``to_dict()``)."""
+    has_plot = HEAD_USAGE_PLOT in files
+    if head_usage is None and not has_plot:
+        return []
+    lines = ["## Head usage", "", "The load of a head is the fraction of tokens that use it: shared heads are always on "
+             "(load 1); each token picks its top-K of a layer's routed heads, so perfectly balanced routing gives every "
+             "routed head K / routed.", ""]
+    if has_plot:
+        lines += [f"![Head usage per layer and head: overall, per class and per timestep range]({HEAD_USAGE_PLOT})", ""]
+    if head_usage is not None:
+        from ..evaluation.head_usage import HeadUsage
+
+        usage = head_usage if isinstance(head_usage, HeadUsage) else HeadUsage.from_dict(head_usage)
+        rows = []
+        for i, (loads, s, k) in enumerate(zip(usage.overall, usage.shared_heads, usage.top_k)):
+            routed = loads[s:]
+            rows.append((i, s, len(routed), k, f"{k / len(routed):.3f}" if routed else "-", *_routed_balance(routed)))
+        settings = usage.settings
+        measured = (f" ({len(settings.get('classes', {}))} classes x {settings.get('images_per_class')} images, "
+                    f"{settings.get('num_inference_steps')} steps)" if settings.get("source") == "sampling" else "")
+        lines += [f"Routed-head loads over everything measured{measured}; CV is the coefficient of variation "
+                  "(0 = perfectly balanced):", "",
+                  *_table(("layer", "shared", "routed", "top-K", "balanced load", "routed loads", "CV"), rows), ""]
+    return lines
+
+
 def _usage_section(pipe, repo: str, variant: str | None) -> list[str]:
     names = list(pipe.id2label.values())[:2]
     labels = ", ".join(repr(n.split(",")[0]) for n in names) if len(names) == 2 else "0, 1"
@@ -189,13 +229,17 @@ def model_card(
     pipe, *, title: str, repo: str, license: str = "apache-2.0", preset: str | None = None,
     record: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
     sweep: dict[str, Any] | None = None, variant: str | None = None, files: Sequence[str] = (),
+    head_usage: Any = None,
 ) -> str:
     """The text of ``README.md`` for an exported ``pipe``.
 
     ``repo`` is what the loading snippet passes to ``from_pretrained`` (a Hub id or a folder);
     ``preset`` defaults to the record's, else to the presets whose architecture matches;
     ``record`` / ``metrics`` / ``sweep`` are the parsed ``train_config.json``, evaluation JSON
-    and ``sweep.json``; ``files`` are listed under "Files".
+    and ``sweep.json``; ``files`` are listed under "Files", and embedded as the head-usage
+    figure when they include :data:`HEAD_USAGE_PLOT`; ``head_usage`` (a
+    ``moh_dit.evaluation.head_usage.HeadUsage`` or the ``head_usage.json`` it writes) adds
+    the table of routed-head loads.
     """
     if preset is None:
         matches = match_presets(dict(pipe.transformer.config))
@@ -207,7 +251,8 @@ def model_card(
         f"A class-conditional diffusion transformer with Mixture-of-Head attention (MoH-DiT, preset {preset}, "
         f"trained head activation {ratio:.4f}) for diffusers, exported by moh-dit.", "",
         *_model_section(pipe, preset), *_heads_section(pipe.transformer), *_recipe_section(record),
-        *_metrics_section(metrics), *_sweep_section(sweep), *_usage_section(pipe, repo, variant),
+        *_metrics_section(metrics), *_sweep_section(sweep), *_head_usage_section(head_usage, files),
+        *_usage_section(pipe, repo, variant),
     ]
     if files:
         lines += ["## Files", "", *(f"- `{name}`" for name in files), "",
