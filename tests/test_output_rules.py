@@ -243,6 +243,11 @@ def _upcycle_demo(root, out):
             "--classifier-epochs", "1", "--calibration-batches", "1", "--batch-size", "4"]
 
 
+def _plot_head_usage(root, out):
+    return ["--model", _moh(root), "--output-dir", out, "--images-per-class", "1", "--num-inference-steps", "1",
+            "--classes", "0", "--device", "cpu"]
+
+
 # module -> (marker name, recipe, input folder flag whose folder an output may not lie in, has --overwrite)
 WRITERS = {
     "train": ("train", _train, "data", False),
@@ -256,6 +261,7 @@ WRITERS = {
     "make_demo_dataset": ("make-demo-dataset", _make_demo_dataset, None, True),
     "demo": ("demo", _demo, None, False),
     "upcycle_demo": ("upcycle-demo", _upcycle_demo, None, False),
+    "plot_head_usage": ("plot-head-usage", _plot_head_usage, "moh", True),
 }
 
 
