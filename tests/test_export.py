@@ -21,6 +21,7 @@ from huggingface_hub import ModelCard
 
 from moh_dit import MoHDiTPipeline, MoHDiTTransformer2DModel
 from moh_dit.hub.bundle import BundleError, bundle_module
+from moh_dit.evaluation.head_usage import HeadUsage, write_head_usage
 from moh_dit.hub.export import HubPushError, INFO_FILE, export_pipeline, is_export, push_folder
 from moh_dit.sampling.sample import load_pipeline
 from moh_dit.sampling.sweep_results import SweepResult, SweepRow, write_sweep
@@ -55,10 +56,14 @@ def source(tmp_path_factory, tiny_pipe, tiny_vae):
 
 
 @pytest.fixture(scope="module")
-def exported(source, tmp_path_factory):
-    """The run exported with bf16 variant weights, metrics and a sweep for its card."""
+def results(tmp_path_factory):
+    return tmp_path_factory.mktemp("results")
+
+
+@pytest.fixture(scope="module")
+def exported(source, results, tmp_path_factory):
+    """The run exported with bf16 variant weights, metrics, a sweep and head usage for its card."""
     root, _ = source
-    results = tmp_path_factory.mktemp("results")
     (results / "metrics.json").write_text(json.dumps(METRICS))
     rows = [SweepRow(ratio=r, realised_ratio=float(r), top_k_per_layer=[0, 1, 1, 2, 1, 2], fid=f, sfid=None,
                      inception_score=2.0, precision=0.5, recall=0.25, attention_flops_per_image=100,
@@ -67,10 +72,23 @@ def exported(source, tmp_path_factory):
     write_sweep(SweepResult(rows=rows, settings={"num_samples": 8, "num_inference_steps": 10, "guidance_scale": 1.0,
                                                   "comparable_to_published": False}),
                 results / "sweep")
+    write_head_usage(HEAD_USAGE, results / "usage", "head usage")
     out = tmp_path_factory.mktemp("exports") / "moh-dit-tiny"
     export_pipeline(root / "run", out, vae=str(root / "vae"), variant="bf16", metrics=results / "metrics.json",
-                    sweep=results / "sweep", progress=False)
+                    sweep=results / "sweep", head_usage=results / "usage", progress=False)
     return out
+
+
+# What `moh-dit plot-head-usage` would have measured (any consistent numbers will do for the card).
+HEAD_USAGE = HeadUsage(overall=[[1.0] * 4, [1.0, 1.0, 0.2, 0.8], [1.0, 0.5, 0.25, 0.25]] + [[1.0, 0.5, 0.5, 0.5]] * 2
+                       + [[0.5] * 4], per_class={}, per_timestep=[], shared_heads=[4, 2, 2, 1, 2, 0],
+                       top_k=[0, 1, 1, 2, 1, 2])
+
+
+def test_the_head_usage_figure_travels_with_the_export(exported, results):
+    assert (exported / "head_usage.png").read_bytes() == (results / "usage" / "head_usage.png").read_bytes()
+    card = (exported / "README.md").read_text()
+    assert "## Head usage" in card and "(head_usage.png)" in card and "| 1 | 2 | 2 | 1 | 0.500 | 0.200-0.800 |" in card
 
 
 BLOCKER = '''
@@ -338,6 +356,8 @@ def _bad_inputs(tmp_path):
     write_output_marker(tmp_path / "trained", "train")
     (tmp_path / "no_metrics.json").write_text(json.dumps({"accuracy": 1.0}))
     (tmp_path / "sweep").mkdir()
+    (tmp_path / "usage").mkdir()
+    (tmp_path / "usage" / "head_usage.json").write_text(json.dumps({"overall": "not a table"}))
     return model
 
 
@@ -352,6 +372,8 @@ BAD_FLAGS = [
     (["--model", "{tmp}/model", "--metrics", "{tmp}/no_metrics.json"], "holds none of fid"),
     (["--model", "{tmp}/model", "--metrics", "{tmp}/file"], "cannot read it as JSON"),
     (["--model", "{tmp}/model", "--sweep", "{tmp}/sweep"], "sweep.json does not exist"),
+    (["--model", "{tmp}/model", "--head-usage", "{tmp}/sweep"], "head_usage.json does not exist"),
+    (["--model", "{tmp}/model", "--head-usage", "{tmp}/usage"], "is not a head-usage record"),
     (["--model", "{tmp}/model", "--push-to-hub", "a/b/c"], "not a Hub repository id"),
     (["--model", "{tmp}/model", "--push-to-hub", "bad name!"], "not a Hub repository id"),
     (["--model", "{tmp}/model", "--license", ""], "--license ''"),

@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also write half-precision weights under diffusers' variant names")
     parser.add_argument("--sweep", default=None, help="a head-ratio sweep's output folder (sweep.json) for the card")
     parser.add_argument("--metrics", default=None, help="moh-dit evaluate's JSON result for the card")
+    parser.add_argument("--head-usage", default=None,
+                        help="moh-dit plot-head-usage's output folder: its figure and per-layer loads go into the card")
     parser.add_argument("--license", default="apache-2.0",
                         help="Hub license id for the card (default apache-2.0; converted DiT weights are cc-by-nc-4.0)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in --output-dir")
@@ -52,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(args: argparse.Namespace) -> int:
     folder = export_pipeline(
         args.model, args.output_dir, vae=args.vae, variant=args.variant, sweep=args.sweep, metrics=args.metrics,
-        push_to_hub=args.push_to_hub, overwrite=args.overwrite, license=args.license,
+        head_usage=args.head_usage, push_to_hub=args.push_to_hub, overwrite=args.overwrite, license=args.license,
         private=True if args.private else None, progress=info_enabled(),
     )
     logger.info(f"Wrote {folder}: load it with DiffusionPipeline.from_pretrained({str(folder)!r}, trust_remote_code=True)")

@@ -42,7 +42,7 @@ from .. import __version__
 from .bundle import bundle_module
 from .export_format import PIPELINE_MODULE, TRANSFORMER_MODULE
 from ..utils.io import publish_folder, sha256_file, write_bytes_atomic, write_json_atomic
-from .model_card import model_card
+from .model_card import HEAD_USAGE_PLOT, model_card
 from ..utils.output_folders import OUTPUT_MARKER, check_outside_inputs, hold_output_folder, write_output_marker
 from .outputs import check_replaceable, local_path, naming_write_errors
 from ..sampling.sample import check_model_flags, load_pipeline
@@ -57,6 +57,7 @@ __all__ = [
     "HubPushError",
     "ExportSource",
     "resolve_model",
+    "read_head_usage",
     "read_metrics",
     "read_sweep",
     "is_export",
@@ -226,6 +227,25 @@ def _write_weights(pipe, folder: Path, variant: str | None) -> None:
         raise RuntimeError(f"save_pretrained wrote pickle weights {unsafe}; the export holds safetensors only.")
 
 
+def read_head_usage(path: str | os.PathLike) -> tuple[dict[str, Any], bytes | None]:
+    """``--head-usage``: the output folder of ``moh-dit plot-head-usage`` (or its
+    ``head_usage.json``): the measured usage, checked, and the figure's PNG bytes if present."""
+    from ..evaluation.head_usage import JSON_FILE as USAGE_JSON, PLOT_FILE as USAGE_PNG, HeadUsage
+
+    path = Path(path).expanduser()
+    file = path / USAGE_JSON if path.is_dir() else path
+    advice = f"the output folder of moh-dit plot-head-usage (it holds {USAGE_JSON})"
+    if not file.is_file():
+        raise FileNotFoundError(f"--head-usage {path}: {file} does not exist; give {advice}.")
+    usage = _read_json(file, "--head-usage", advice)
+    try:
+        HeadUsage.from_dict(usage)
+    except (TypeError, ValueError, KeyError, AttributeError) as error:
+        raise ValueError(f"--head-usage {file} is not a head-usage record ({error}); give {advice}.") from None
+    png = file.parent / USAGE_PNG
+    return usage, png.read_bytes() if png.is_file() else None
+
+
 @dataclass(frozen=True)
 class _Request:
     """Every checked argument of one export."""
@@ -236,6 +256,7 @@ class _Request:
     variant: str | None
     metrics: dict[str, Any] | None
     sweep: dict[str, Any] | None
+    head_usage: tuple[dict[str, Any], bytes | None] | None
     repo_id: str | None
     license: str
     model_label: str
@@ -248,13 +269,15 @@ def _check_output(out: Path, overwrite: bool) -> None:
     check_replaceable(out, overwrite or empty, "export", is_export, f"an export of {EXPORTED_BY} (it has {INFO_FILE})")
 
 
-def _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, overwrite, license) -> _Request:
+def _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, overwrite, license,
+                   head_usage=None) -> _Request:
     """All the checks, in the order of the flags, before anything is loaded or written."""
     source = resolve_model(model, vae)
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"--variant {variant!r}; choose one of {', '.join(VARIANTS)} (or leave it out).")
     metrics_dict = None if metrics is None else read_metrics(metrics)
     sweep_dict = None if sweep is None else read_sweep(sweep)
+    usage = None if head_usage is None else read_head_usage(head_usage)
     if push_to_hub is not None:
         check_repo_id(push_to_hub)
     if not license or any(c.isspace() for c in license):
@@ -263,9 +286,9 @@ def _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, ove
     _check_output(out, overwrite)
     vae_path = None if vae is None or vae.lower() == "none" else local_path(vae)
     check_outside_inputs(out, {"--model": Path(model).expanduser(), "--vae": vae_path, "--sweep": sweep,
-                               "--metrics": metrics}, "--output-dir")
+                               "--metrics": metrics, "--head-usage": head_usage}, "--output-dir")
     return _Request(source=source, output=out, vae=vae, variant=variant, metrics=metrics_dict, sweep=sweep_dict,
-                    repo_id=push_to_hub, license=license, model_label=str(model))
+                    head_usage=usage, repo_id=push_to_hub, license=license, model_label=str(model))
 
 
 def export_pipeline(
@@ -276,6 +299,7 @@ def export_pipeline(
     variant: str | None = None,
     sweep: str | os.PathLike | None = None,
     metrics: str | os.PathLike | None = None,
+    head_usage: str | os.PathLike | None = None,
     push_to_hub: str | None = None,
     overwrite: bool = False,
     license: str = "apache-2.0",
@@ -288,13 +312,14 @@ def export_pipeline(
     ``vae``: an ``AutoencoderKL`` folder or Hub id, or ``"none"``; default: a pipeline
     folder's own (a latent transformer folder needs one). ``variant``: also write ``fp16`` or
     ``bf16`` weights under diffusers' variant names. ``sweep`` / ``metrics``: results for the
-    model card. ``push_to_hub``: a Hub repository id to upload the finished folder to
+    model card; ``head_usage``: a ``moh-dit plot-head-usage`` output, whose figure goes into
+    the folder and the card. ``push_to_hub``: a Hub repository id to upload the finished folder to
     (``private`` / ``token`` for a new repository). ``overwrite`` replaces an earlier export
     (never another folder). ``license``: the Hub license id in the card. Returns ``output``.
     Raises ValueError / FileNotFoundError / FileExistsError for bad arguments (before any
     work) and :class:`HubPushError` when the folder is written but the push failed.
     """
-    request = _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, overwrite, license)
+    request = _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, overwrite, license, head_usage)
     with hold_output_folder(request.output, "export", "--output-dir"):
         _export(request, overwrite, private, token, progress)
     return request.output
@@ -314,10 +339,13 @@ def _export(request: _Request, overwrite: bool, private: bool | None, token: str
         _rewrite_index(tmp)
         bar.update()
         code = _write_code(tmp)
+        usage, figure = request.head_usage or (None, None)
+        if figure is not None:
+            write_bytes_atomic(tmp / HEAD_USAGE_PLOT, figure)
         bar.update()
         card = model_card(pipe, title=request.output.name, repo=push_to_hub or str(request.output), license=license,
                           record=source.record, metrics=request.metrics, sweep=request.sweep, variant=variant,
-                          files=sorted(_files(tmp) + ["README.md", INFO_FILE]))
+                          files=sorted(_files(tmp) + ["README.md", INFO_FILE]), head_usage=usage)
         write_bytes_atomic(tmp / "README.md", card.encode("utf-8"))
         write_json_atomic(tmp / INFO_FILE, {
             "exported_by": EXPORTED_BY, "moh_dit_version": __version__, "diffusers_version": diffusers.__version__,
