@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import re
 from pathlib import Path
 from typing import Callable, Iterator
 
 from ..utils.io import naming_path
-from ..utils.output_folders import OUTPUT_MARKER, check_output_folder
+from ..utils.output_folders import check_output_folder, marked_by
 
 __all__ = ["check_replaceable", "local_path", "marked_by", "naming_write_errors"]
 
@@ -34,20 +33,6 @@ def local_path(source: str | os.PathLike | None) -> str | os.PathLike | None:
     """``source`` when it is an existing local file or folder, else None (a URL, a Hub id, nothing):
     the inputs an output folder must stay outside of."""
     return source if source is not None and Path(source).expanduser().exists() else None
-
-
-def marked_by(folder: str | os.PathLike) -> str | None:
-    """The ``written_by`` of ``folder``'s output marker (``"moh-dit convert"``), or None when it
-    has no readable marker (a link does not count)."""
-    marker = Path(folder) / OUTPUT_MARKER
-    if marker.is_symlink() or not marker.is_file():
-        return None
-    try:
-        info = json.loads(marker.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    written_by = info.get("written_by") if isinstance(info, dict) else None
-    return written_by if isinstance(written_by, str) else None
 
 
 def check_replaceable(path: Path, overwrite: bool, command: str, is_ours: Callable[[Path], bool] | None, what: str,

@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Mapping
 from .io import FileLockedError, lock_file, write_json_atomic, write_lock_info
 
 __all__ = ["OUTPUT_MARKER", "OutputFolderBusyError", "check_folder_path", "check_outside_inputs",
-           "check_output_folder", "hold_output_folder", "is_package_output", "write_output_marker"]
+           "check_output_folder", "hold_output_folder", "is_package_output", "marked_by", "write_output_marker"]
 
 OUTPUT_MARKER = ".moh-dit-output.json"
 
@@ -45,16 +45,23 @@ def write_output_marker(folder: str | os.PathLike, command: str) -> Path:
         "created": time.strftime("%Y-%m-%d %H:%M:%S %z")})
 
 
-def is_package_output(folder: str | os.PathLike) -> bool:
-    """Whether ``folder`` carries the marker of a moh-dit command (a regular file, not a link)."""
+def marked_by(folder: str | os.PathLike) -> str | None:
+    """Who wrote ``folder`` by its marker (``"moh-dit convert"``), or None when it has no
+    readable marker; a marker reached through a link does not count."""
     marker = Path(folder) / OUTPUT_MARKER
     if marker.is_symlink() or not marker.is_file():
-        return False
+        return None
     try:
         info = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return isinstance(info, dict) and str(info.get("written_by", "")).startswith("moh-dit ")
+        return None
+    written_by = info.get("written_by") if isinstance(info, dict) else None
+    return written_by if isinstance(written_by, str) else None
+
+
+def is_package_output(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` carries the marker of a moh-dit command."""
+    return (marked_by(folder) or "").startswith("moh-dit ")
 
 
 def check_output_folder(path: Path, overwrite: bool, is_ours: Callable[[Path], bool] | None = None,
