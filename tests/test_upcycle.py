@@ -145,8 +145,10 @@ def test_xl_width_first_forward(randomize):
 def test_bad_layouts_are_refused(dense):
     with pytest.raises(ValueError, match="either --activation"):
         upcycle(dense)
-    with pytest.raises(ValueError, match="offer"):
-        upcycle(dense, 0.5)
+    with pytest.raises(ValueError, match=r"outside the reachable range \[0\.2500, 1\.0\] .*6 layers, 24 heads"):
+        upcycle(dense, 0.2)
+    with pytest.raises(ValueError, match=r"--activation must be a head activation in \(0, 1\]"):
+        upcycle(dense, 1.5)
     with pytest.raises(ValueError, match="go together"):
         resolve_layout(dense, None, shared_heads=2)
     with pytest.raises(ValueError, match="Layer 0: top_k=3"):
@@ -156,9 +158,10 @@ def test_bad_layouts_are_refused(dense):
     moh = MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8)
     with pytest.raises(ValueError, match="already a MoH model"):
         upcycle(moh, 0.75)
+    # a model no upcycled preset fits takes the upcycling rule's layout (tests/test_upcycle_layout.py)
     small = MoHDiTTransformer2DModel.from_preset("DiT-S/2", num_layers=2, sample_size=4)
-    with pytest.raises(ValueError, match="no upcycled preset fits"):
-        upcycle(small, 0.75)
+    moh, report = upcycle(small, 0.75)
+    assert report.preset is None and moh.trained_head_activation_ratio == pytest.approx(0.75)
 
 
 def test_upcycled_model_saves_loads_and_samples_at_any_ratio(dense, tmp_path, tiny_pipe):
@@ -231,7 +234,12 @@ BAD = [
      "not an upcycled model"),
     (["--checkpoint", "{t}/dense", "--output", "{t}/file", "--activation", "0.75"], "is a file"),
     (["--checkpoint", "{t}/dense", "--output", "{t}/out"], "either --activation"),
-    (["--checkpoint", "{t}/dense", "--output", "{t}/out", "--activation", "0.6"], "offer"),
+    (["--checkpoint", "{t}/dense", "--output", "{t}/out", "--activation", "0.2"],
+     r"outside the reachable range \[0\.2500, 1\.0\]"),
+    (["--checkpoint", "{t}/dense.pt", "--preset", "DiT-Tiny", "--output", "{t}/out", "--activation", "0.2"],
+     r"outside the reachable range \[0\.2500, 1\.0\]"),
+    (["--checkpoint", "{t}/dense", "--output", "{t}/out", "--activation", "0"], r"in \(0, 1\]"),
+    (["--checkpoint", "{t}/dense", "--output", "{t}/out", "--activation", "nan"], r"in \(0, 1\]"),
     (["--checkpoint", "{t}/dense", "--output", "{t}/out", "--activation", "0.75", "--shared-heads", "2", "--top-k", "1"],
      "either --activation"),
     (["--checkpoint", "{t}/dense", "--output", "{t}/out", "--shared-heads", "2"], "go together"),

@@ -2,17 +2,25 @@
 
     moh-dit upcycle --checkpoint DiT-XL-2-256x256.pt --preset DiT-XL/2 --output-dir dit-xl-2-up75 \\
         --activation 0.75 --calibration-data imagenet_latents --calibration-batches 8
+    moh-dit upcycle --checkpoint DiT-S-2.pt --preset DiT-S/2 --output-dir dit-s-2-up60 --activation 0.6
     moh-dit upcycle --checkpoint runs/dense/final --output-dir up --shared-heads 4,2,2,1,2,0 --top-k 0,1,1,2,1,2
 
 --checkpoint takes a saved MoHDiTTransformer2DModel folder (a training run's final/) or
 anything moh-dit convert reads for a dense preset (then --preset names it).
+--activation R takes any head activation from one active head per layer (layers / heads) to
+1.0 (every head shared: the dense function). Where an upcycled preset fits the model at R
+(MoH-DiT-XL/2-up75, -up90, the tiny ones) its layout is used; otherwise the upcycling rule's
+(docs/upcycling.md): the first third of the layers keep every head, later layers route, and the
+active heads are the whole number nearest R * heads (ties up). The realised ratio is printed.
 Each layer's shared heads are the most important ones on the calibration data (the eps
 prediction's change when the head is removed); without --calibration-data heads 0..hs-1 are
 shared. Routers start at zero, so the first forward is the dense model with each token's
 unselected heads removed. Per layer the choice and the measured importance are printed. The
 output folder is written atomically; an existing one is refused, and --overwrite replaces only
-an earlier upcycled model (never a folder upcycle did not write). Then continue training with
-moh-dit train --preset <upcycled preset> --init-from OUTPUT_DIR [--router-warmup-steps N].
+an earlier upcycled model (never a folder upcycle did not write). The output's config.json
+records the layout (per-layer num_attention_heads, num_shared_heads, top_k). Then continue
+training with moh-dit train --init-from OUTPUT_DIR [--router-warmup-steps N] (with --preset
+<upcycled preset> where the layout is a preset's).
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="new folder for the MoH model (must not exist, or be empty; see --overwrite)")
     p.add_alias("--output", "--output-dir")
     p.add_argument("--preset", default=None, help="dense preset of a checkpoint that is not a saved model folder (DiT-XL/2, ...)")
-    p.add_argument("--activation", type=float, default=None, help="head activation of the upcycled preset: 0.75 or 0.9")
+    p.add_argument("--activation", type=float, default=None, help="head activation of the MoH model: any value from layers/heads to 1.0 (an upcycled preset's "
+                   "layout where one fits, else the upcycling rule's; the realised ratio is printed)")
     p.add_argument("--shared-heads", type=_layers, default=None, help="shared heads: one number, or one per layer")
     p.add_argument("--top-k", type=_layers, default=None, help="routed top-K: one number, or one per layer")
     p.add_argument("--calibration-data", default=None, help="ImageFolder or latent cache to measure head importance on")
@@ -100,7 +109,7 @@ def _upcycle(args: argparse.Namespace, device: torch.device) -> None:
     save_upcycled(model, report, args.output_dir, overwrite=args.overwrite)
     params = sum(p.numel() for p in model.parameters())
     logger.info(f"Wrote the upcycled model ({params:,} parameters, head activation {model.head_activation_ratio:.4f}) "
-                f"to {args.output_dir}")
+                f"to {args.output_dir}; its config.json records the layout")
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -1,10 +1,12 @@
 """Upcycling: a dense DiT becomes a MoH-DiT that keeps every dense weight (docs/upcycling.md).
 
 Reading order: where the dense model comes from (``load_dense``), which layout it gets
-(``resolve_layout``), the calibration inputs (``calibration_batches``), head importance by
-ablation (``head_importance``), the choice of shared heads (``choose_heads``), the weight
-transfer (``transfer_weights``), the first-forward check (``dense_forward_with_head_mask``,
-``first_forward_gap``), and ``upcycle`` / ``save_upcycled`` which put them together.
+(``resolve_layout``: an upcycled preset's, the upcycling rule's for any other ratio
+(``moh_dit.models.layout.upcycle_layout``), or the given lists), the calibration inputs
+(``calibration_batches``), head importance by ablation (``head_importance``), the choice of
+shared heads (``choose_heads``), the weight transfer (``transfer_weights``), the first-forward
+check (``dense_forward_with_head_mask``, ``first_forward_gap``), and ``upcycle`` /
+``save_upcycled`` which put them together.
 
 Every layer keeps the dense head count. Per layer the ``hs`` most important heads (output
 change when the head is removed, measured on calibration data) become the shared heads, the
@@ -33,7 +35,7 @@ from ..diffusion.gaussian_diffusion import create_diffusion
 from ..utils.io import publish_folder, write_json_atomic
 from ..utils.output_folders import check_folder_path, write_output_marker
 from ..models.attention import MoHAttnProcessor, MoHRouting
-from ..models.layout import HeadLayout
+from ..models.layout import HeadLayout, upcycle_layout
 from ..models.presets import PRESETS, UPCYCLED_PRESETS
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 
@@ -71,16 +73,21 @@ class UpcycleReport:
 
     source: str
     preset: str | None  # the upcycled preset whose layout this is, if any
-    activation: float
+    activation: float  # realised: sum (hs + K) / sum h
     calibration: str
     calibration_images: int
     layers: list[LayerChoice]
     first_forward_max_abs_diff: float | None = None  # vs the dense model with unselected heads removed
     notes: list[str] = field(default_factory=list)
+    requested_activation: float | None = None  # --activation; None when the layout was given per layer
 
     def table(self) -> str:
         """One line per layer: heads, shared / routed (dense head numbers), top-K, importance."""
-        lines = [f"upcycled from {self.source} -> {self.preset or 'custom layout'} (head activation "
+        active = sum(len(c.shared) + c.top_k for c in self.layers)
+        total = sum(c.heads for c in self.layers)
+        layout = self.preset or ("custom layout" if self.requested_activation is None else "the upcycling rule's layout")
+        asked = "" if self.requested_activation is None else f"requested {self.requested_activation:g}, "
+        lines = [f"upcycled from {self.source} -> {layout} (head activation {asked}realised {active}/{total} = "
                  f"{self.activation:.4f}); shared heads chosen by {self.calibration}"]
         for c in self.layers:
             imp = "not measured" if c.importance is None else " ".join(f"{i}:{v:.3g}" for i, v in
@@ -112,18 +119,9 @@ def load_dense(source: Any, preset: str | None = None, weights: str = "ema", sam
     if isinstance(source, MoHDiTTransformer2DModel):
         model, name = source, "the given model"
     else:
-        path = Path(str(source)).expanduser()
-        if (path / "model_index.json").is_file() and (path / "transformer" / "config.json").is_file():
-            path = path / "transformer"  # a pipeline folder
-        config = path / "config.json"
-        ours = False
-        if path.is_dir() and config.is_file():
-            try:
-                ours = json.loads(config.read_text()).get("_class_name") == "MoHDiTTransformer2DModel"
-            except (OSError, ValueError, AttributeError):
-                ours = False
-        if ours:
-            model = MoHDiTTransformer2DModel.from_pretrained(path)
+        folder = _model_folder(source)
+        if folder is not None:
+            model = MoHDiTTransformer2DModel.from_pretrained(folder[0])
         else:
             if preset is None:
                 raise ValueError(f"{source}: give the dense preset of the checkpoint (--preset, preset=), e.g. "
@@ -137,6 +135,41 @@ def load_dense(source: Any, preset: str | None = None, weights: str = "ema", sam
     if model.is_moh:
         raise ValueError(f"{name} is already a MoH model (it has routers); upcycling starts from a dense DiT.")
     return model.eval(), name
+
+
+def _model_folder(source: Any) -> tuple[Path, dict] | None:
+    """``(folder, config)`` where ``source`` is a saved ``MoHDiTTransformer2DModel`` folder or a
+    pipeline folder holding one as ``transformer/``; None for anything else."""
+    path = Path(str(source)).expanduser()
+    if (path / "model_index.json").is_file() and (path / "transformer" / "config.json").is_file():
+        path = path / "transformer"  # a pipeline folder
+    config = path / "config.json"
+    if not (path.is_dir() and config.is_file()):
+        return None
+    try:
+        values = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    return (path, values) if isinstance(values, dict) and values.get("_class_name") == "MoHDiTTransformer2DModel" \
+        else None
+
+
+def _source_heads(source: Any, preset: str | None) -> list[int] | None:
+    """The dense model's heads per layer, read without loading its weights (a model, a saved
+    folder's config, or the dense ``preset`` of a checkpoint); None where that is not possible
+    (then ``load_dense`` says why) or the source is not dense."""
+    try:
+        if isinstance(source, MoHDiTTransformer2DModel):
+            layout = source.layout
+        elif (folder := _model_folder(source)) is not None:
+            layout = HeadLayout.of_config(folder[1])
+        elif preset in PRESETS:
+            layout = HeadLayout.of_config(PRESETS[preset])
+        else:
+            return None
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None if layout.is_moh else list(layout.heads)
 
 
 def _per_layer(value: int | Sequence[int], layers: int, flag: str) -> list[int]:
@@ -159,8 +192,10 @@ def _preset_value(preset: str, key: str) -> Any:
 def resolve_layout(dense: MoHDiTTransformer2DModel, activation: float | None = None,
                    shared_heads: int | Sequence[int] | None = None, top_k: int | Sequence[int] | None = None,
                    ) -> tuple[str | None, list[int], list[int]]:
-    """``(preset, shared, top_k)`` per layer: an upcycled preset's layout for ``activation``
-    (0.75 or 0.9; the preset must fit the dense architecture), or the given lists."""
+    """``(preset, shared, top_k)`` per layer: for ``activation``, the layout of the upcycled
+    preset that fits the dense architecture and has that activation (MoH-DiT-XL/2-up75, ...),
+    else the upcycling rule's (:func:`~moh_dit.models.layout.upcycle_layout`, preset None;
+    ValueError naming the reachable range outside it); or the given lists."""
     layers, heads = dense.config.num_layers, dense.layer_heads
     if (activation is None) == (shared_heads is None and top_k is None):
         raise ValueError("give either --activation (activation=) or both --shared-heads and --top-k "
@@ -172,18 +207,14 @@ def resolve_layout(dense: MoHDiTTransformer2DModel, activation: float | None = N
         k = _per_layer(top_k, layers, "--top-k")
         HeadLayout.parse(layers, heads, shared, k)  # raises naming the bad layer
         return None, shared, k
-    fits = [name for name, (dense_name, act) in UPCYCLED_PRESETS.items()
-            if all(_preset_value(dense_name, key) == dense.config[key] for key in _ARCH_KEYS)]
-    if not fits:
-        raise ValueError(f"no upcycled preset fits this dense model ({layers} layers, {heads[0]} heads, hidden "
-                         f"{dense.config.hidden_size}); give --shared-heads and --top-k per layer instead.")
-    chosen = [name for name in fits if math.isclose(UPCYCLED_PRESETS[name][1], float(activation))]
-    if not chosen:
-        offered = sorted({UPCYCLED_PRESETS[n][1] for n in fits})
-        raise ValueError(f"--activation {activation}: the upcycled presets for this model offer {offered} "
-                         f"({', '.join(fits)}); or give --shared-heads and --top-k per layer.")
-    config = PRESETS[chosen[0]]
-    return chosen[0], list(config["num_shared_heads"]), list(config["top_k"])
+    chosen = [name for name, (dense_name, act) in UPCYCLED_PRESETS.items()
+              if math.isclose(act, float(activation))
+              and all(_preset_value(dense_name, key) == dense.config[key] for key in _ARCH_KEYS)]
+    if chosen:
+        config = PRESETS[chosen[0]]
+        return chosen[0], list(config["num_shared_heads"]), list(config["top_k"])
+    shared, k = upcycle_layout(heads, float(activation))
+    return None, shared, k
 
 
 # --------------------------------------------------------------------------------------
@@ -412,15 +443,17 @@ def _check_input(dense: MoHDiTTransformer2DModel, batches, seed: int, device) ->
     return x.to(device), t.to(device), y.to(device)
 
 
-def _precheck(activation, shared_heads, top_k, calibration) -> None:
-    """The checks that need no model, before a (slow) checkpoint load."""
+def _precheck(activation, shared_heads, top_k, calibration, heads: list[int] | None) -> None:
+    """The checks that need no weights, before a (slow) checkpoint load; ``heads``: the dense
+    model's heads per layer where they are known without loading it."""
     if (activation is None) == (shared_heads is None and top_k is None):
         raise ValueError("give either --activation (activation=) or both --shared-heads and --top-k "
                          "(shared_heads=, top_k=).")
-    offered = sorted({act for _, act in UPCYCLED_PRESETS.values()})
-    if activation is not None and not any(math.isclose(float(activation), a) for a in offered):
-        raise ValueError(f"--activation {activation}: the upcycled presets offer {offered}; for another layout give "
-                         "--shared-heads and --top-k per layer.")
+    if activation is not None:
+        if isinstance(activation, bool) or not isinstance(activation, (int, float)) or not 0 < activation <= 1:
+            raise ValueError(f"--activation must be a head activation in (0, 1] (1.0: every head), got {activation!r}.")
+        if heads is not None:
+            upcycle_layout(heads, float(activation))  # refuses a ratio outside the model's reachable range
     if isinstance(calibration, (str, os.PathLike)) and not Path(calibration).expanduser().is_dir():
         raise FileNotFoundError(f"--calibration-data {calibration}: no such folder (give an ImageFolder or a "
                                 "latent cache).")
@@ -433,8 +466,10 @@ def upcycle(dense_model_or_source: Any, activation: float | None = None, *, shar
             ) -> tuple[MoHDiTTransformer2DModel, UpcycleReport]:
     """A MoH-DiT from a dense DiT, and the report of what each layer became.
 
-    ``activation`` (0.75 or 0.9) takes the upcycled preset's layout (MoH-DiT-XL/2-up75, ...);
-    or ``shared_heads`` and ``top_k`` (an int or one per layer). ``calibration`` (a folder, a
+    ``activation`` (any head activation in the model's reachable range, ``[layers / heads, 1]``)
+    takes the upcycled preset's layout where one fits the model at that activation
+    (MoH-DiT-XL/2-up75, ...), else the upcycling rule's (:func:`resolve_layout`); or
+    ``shared_heads`` and ``top_k`` (an int or one per layer). ``calibration`` (a folder, a
     dataset or a list of ``(x0, labels)`` batches) measures head importance on
     ``calibration_batches_count`` batches of ``batch_size``; without it heads 0..hs-1 are
     shared. ``preset`` names the dense preset of a checkpoint that is not a saved model folder.
@@ -444,7 +479,7 @@ def upcycle(dense_model_or_source: Any, activation: float | None = None, *, shar
     for flag, value in (("--calibration-batches", calibration_batches_count), ("--batch-size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag} must be an int >= 1, got {value!r}.")
-    _precheck(activation, shared_heads, top_k, calibration)
+    _precheck(activation, shared_heads, top_k, calibration, _source_heads(dense_model_or_source, preset))
     dense, name = load_dense(dense_model_or_source, preset, weights, sample_size, num_classes)
     dense = dense.to(device)
     preset_name, shared, k = resolve_layout(dense, activation, shared_heads, top_k)
@@ -465,7 +500,8 @@ def upcycle(dense_model_or_source: Any, activation: float | None = None, *, shar
     images = sum(int(b[0].shape[0]) for b in batches) if batches else 0
     how = (f"importance measured on {images} calibration inputs" if batches
            else "the default without calibration data (heads 0..hs-1 shared, as the MoH release)")
-    report = UpcycleReport(name, preset_name, moh.trained_head_activation_ratio, how, images, choices, gap)
+    report = UpcycleReport(name, preset_name, moh.trained_head_activation_ratio, how, images, choices, gap,
+                           requested_activation=None if activation is None else float(activation))
     return moh, report
 
 

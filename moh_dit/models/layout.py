@@ -5,17 +5,19 @@
 model, the presets, the FLOP count, upcycling and the model card all build it with
 :meth:`HeadLayout.parse` / :meth:`HeadLayout.of_config`, so the rules a layout must obey are
 written once. The head-weighted activation ratio ``sum (hs + K) / sum h`` and the rule that
-picks a top-K per layer for another ratio (:func:`top_k_for_ratio`) are functions of it.
-Imports nothing from the package.
+picks a top-K per layer for another ratio (:func:`top_k_for_ratio`) are functions of it, and
+so is the rule that gives a dense layout a MoH layout for a ratio when it is upcycled
+(:func:`upcycle_layout`, docs/upcycling.md). Imports nothing from the package.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
-__all__ = ["HeadLayout", "min_top_k", "top_k_for_ratio"]
+__all__ = ["HeadLayout", "min_top_k", "top_k_for_ratio", "upcycle_reachable_range", "upcycle_layout"]
 
 
 def min_top_k(heads: int, shared: int) -> int:
@@ -65,6 +67,68 @@ def top_k_for_ratio(
     for i in order[:leftover]:
         alloc[i] += 1
     return [b + sign * a for b, a in zip(base, alloc)]
+
+
+def upcycle_reachable_range(heads: Sequence[int]) -> tuple[float, float]:
+    """(lowest, highest) head activation :func:`upcycle_layout` can give a dense model with
+    ``heads`` per layer: one active head per layer (``len / sum``) up to every head (1.0)."""
+    return len(heads) / sum(heads), 1.0
+
+
+def _upcycle_drops(heads: Sequence[int], drop: int) -> list[int]:
+    """How many heads each layer leaves inactive (``h - hs - K``), ``drop`` in all.
+
+    The routed layers are the last ones: at least the last two thirds (the first
+    ``layers // 3`` keep every head, as in the paper's XL and L layouts), more (from the back)
+    when that is needed for no layer to leave more than half its heads inactive, and all of
+    them beyond half when even that is not enough. Heads are dropped one at a time, in turn
+    from the last routed layer backwards, skipping a layer at its limit: the drops differ by
+    at most one between layers, and the later layers get the extra ones.
+    """
+    layers = len(heads)
+    half = [h // 2 for h in heads]
+    fits = [n for n in range(layers - layers // 3, layers + 1) if sum(half[layers - n:]) >= drop]
+    routed, limit = (fits[0], half) if fits else (layers, [h - 1 for h in heads])
+    order = [i for i in range(layers - 1, layers - routed - 1, -1) if limit[i] > 0]
+    drops, left = [0] * layers, drop
+    while left:  # the limits of ``order`` add up to at least ``drop``
+        for i in order:
+            if left and drops[i] < limit[i]:
+                drops[i] += 1
+                left -= 1
+    return drops
+
+
+def upcycle_layout(heads: Sequence[int], ratio: float) -> tuple[list[int], list[int]]:
+    """Per-layer ``(shared, top_k)`` that turns a dense model with ``heads`` per layer into a MoH
+    layout at the head activation nearest ``ratio`` (docs/upcycling.md, "Any ratio").
+
+    Active heads ``A = round(ratio * sum h)`` (ties up, so the model never has fewer heads than
+    asked for; ``ratio`` read as the decimal it prints as); every ``A`` from one head per layer
+    to every head can be realised, so the realised ratio is within ``1 / (2 sum h)`` of
+    ``ratio``. :func:`_upcycle_drops` says how many heads ``d`` each layer leaves inactive; a
+    layer with ``d = 0`` keeps every head shared (``K = 0``), any other routes
+    ``K = min(ceil(d / 2), h - d)`` of a routed pool of ``E = d + K`` heads (so ``K >= 1`` and
+    ``E >= K + 1``: the router has a choice) and shares the other ``h - E``. Raises ValueError
+    naming the reachable range (:func:`upcycle_reachable_range`) outside it.
+    """
+    heads = [int(h) for h in heads]
+    if not heads or min(heads) < 1:
+        raise ValueError(f"a dense layout needs at least one layer and one head per layer, got heads={heads}.")
+    total = sum(heads)
+    lowest, _ = upcycle_reachable_range(heads)
+    if not lowest - 1e-9 <= ratio <= 1.0 + 1e-9:  # also refuses nan; the margin admits len / sum as a float
+        raise ValueError(f"--activation {ratio} is outside the reachable range [{lowest:.4f}, 1.0] of this dense "
+                         f"model ({len(heads)} layers, {total} heads: at least one active head per layer, at most "
+                         "all of them).")
+    active = math.floor(Fraction(repr(float(ratio))) * total + Fraction(1, 2))
+    active = min(max(active, len(heads)), total)
+    shared, top_k = [], []
+    for h, d in zip(heads, _upcycle_drops(heads, total - active)):
+        k = min((d + 1) // 2, h - d) if d else 0
+        shared.append(h - d - k)
+        top_k.append(k)
+    return shared, top_k
 
 
 def _per_layer(value: int | Sequence[int] | None, num_layers: int, name: str) -> tuple[int, ...] | None:
