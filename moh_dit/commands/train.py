@@ -5,9 +5,10 @@ One CPU or GPU:   moh-dit train --preset MoH-DiT-Tiny --data-dir demo_data --vae
 Many GPUs/nodes:  accelerate launch --multi_gpu --num_processes 8 -m moh_dit.commands train --preset MoH-DiT-XL/2-90 \
                       --latents-dir imagenet_latents --output-dir runs/xl --global-batch-size 256
 To resume, run the same command again with --resume latest.
-From weights:     moh-dit train --preset MoH-DiT-XL/2-up75 --init-from dit-xl-2-up75 --router-warmup-steps 2000 \
-                      --latents-dir imagenet_latents --output-dir runs/up75   (resume it with --resume latest, without
-                      --init-from: the checkpoints hold the weights)
+From weights:     moh-dit train --init-from dit-xl-2-up75 --router-warmup-steps 2000 \
+                      --latents-dir imagenet_latents --output-dir runs/up75   (the architecture is the folder's
+                      config.json, so an upcycled layout needs no preset; a --preset given must match it; resume
+                      with --resume latest, without --init-from: the checkpoints hold the weights and the model)
 diffusers' spellings work too: --train_data_dir, --resolution, --train_batch_size, --max_train_steps,
                   --checkpointing_steps, --lr_warmup_steps, --resume_from_checkpoint, --dataloader_num_workers,
                   and every flag with underscores (--output_dir, --mixed_precision, --lr_scheduler).
@@ -61,8 +62,8 @@ def _add_flag(parser, f: dataclasses.Field, value_type: type, root: ArgumentPars
     kwargs = {"dest": f.name, "help": meta["help"]}
     if value_type is bool:
         kwargs.update(action="store_false" if meta["negated"] else "store_true")
-    elif f.default is dataclasses.MISSING:
-        kwargs.update(required=meta["one_of"] is None)
+    elif meta["required"]:
+        kwargs.update(required=True)
     else:
         kwargs.update(default=f.default)
     if value_type in (int, float):

@@ -104,6 +104,18 @@ class DiTTimestepLabelEmbedding(CombinedTimestepLabelEmbeddings):
         self.time_proj = Timesteps(num_channels=256, flip_sin_to_cos=True, downscale_freq_shift=0)
         self.class_embedder.dropout_prob = class_dropout_prob
 
+    def forward(self, timestep: torch.Tensor, class_labels: torch.Tensor, hidden_dtype=None,
+                force_drop_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, D) conditioning. ``force_drop_ids`` (B,): where true (or 1), the label becomes the
+        null class, and nothing is drawn at random; None: diffusers' behaviour (in training,
+        each label dropped with probability ``class_dropout_prob``, drawn here)."""
+        timesteps_emb = self.timestep_embedder(self.time_proj(timestep).to(dtype=hidden_dtype))  # (B, D)
+        if force_drop_ids is None:
+            return timesteps_emb + self.class_embedder(class_labels)
+        embedder = self.class_embedder
+        labels = torch.where(force_drop_ids.to(class_labels.device) != 0, embedder.num_classes, class_labels)
+        return timesteps_emb + embedder.embedding_table(labels)  # (B, D)
+
 
 @dataclass
 class MoHDiTTransformer2DModelOutput(BaseOutput):
@@ -399,6 +411,7 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin, AttentionMixin):
         return_dict: bool = True,
         output_load_balance_loss: bool | None = None,
         output_head_usage: bool = False,
+        force_drop_ids: torch.Tensor | None = None,
     ) -> MoHDiTTransformer2DModelOutput | tuple:
         """Predict eps (and the variance values) for noisy inputs.
 
@@ -410,8 +423,17 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin, AttentionMixin):
                 ``(sample, load_balance_loss, head_usage)``).
             output_load_balance_loss: compute the load-balance loss; default: in training.
             output_head_usage: return per-layer head usage fractions.
+            force_drop_ids: (B,) label dropout decided by the caller: where true (or 1) the
+                label becomes the null class, in training and in eval, and the model draws
+                nothing. None (default): in training each label is dropped with probability
+                ``class_dropout_prob``, drawn inside the forward (diffusers' behaviour; a
+                compiled forward draws it from the compiler's generator, not torch's, so the
+                trainer draws the mask itself and passes it).
         """
         timestep = self._check_inputs(hidden_states, timestep, class_labels)
+        if force_drop_ids is not None and tuple(force_drop_ids.shape) != tuple(class_labels.shape):
+            raise ValueError(f"force_drop_ids must have the shape of class_labels {tuple(class_labels.shape)}; got "
+                             f"{tuple(force_drop_ids.shape)}.")
         want_lb = self.training if output_load_balance_loss is None else output_load_balance_loss
         need_stats = want_lb or output_head_usage
         size = hidden_states.shape[-1] // self.config.patch_size
@@ -420,7 +442,7 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin, AttentionMixin):
         # residual stream keeps that layout through every block (x comes first in each
         # residual add) and all its elementwise ops run strided; one copy here is far cheaper.
         x = self.pos_embed(hidden_states).contiguous()  # (B, T, D), T = size * size
-        c = self.time_class_embed(timestep, class_labels, hidden_dtype=x.dtype)  # (B, D)
+        c = self.time_class_embed(timestep, class_labels, hidden_dtype=x.dtype, force_drop_ids=force_drop_ids)  # (B, D)
         lb_losses, usage = [], []
         for block in self.transformer_blocks:
             if torch.is_grad_enabled() and self.gradient_checkpointing:

@@ -72,20 +72,24 @@ def option(default: Any = None, help: str | None = None, *, flag: str | None = N
     """A field that ``moh-dit train`` offers as a flag. ``flag``: its spelling when not
     ``--field-name``; ``negated``: a boolean whose flag turns it off (``--no-flip``);
     ``one_of``: flags of the same name form a required either-or group; ``from_flag``: maps
-    the parsed value onto the field's; ``required``: a field without a default; ``aliases``:
-    other names of the flag (diffusers' example scripts' spellings), not listed in --help."""
+    the parsed value onto the field's; ``required``: a flag the command line must give (the
+    field defaults to ``default`` and :meth:`TrainConfig.validate` refuses it left unset, so
+    that optional fields may follow it in the dataclass); ``aliases``: other names of the flag
+    (diffusers' example scripts' spellings), not listed in --help."""
     metadata = {"flag": flag, "help": help, "choices": choices, "metavar": metavar, "one_of": one_of,
-                "negated": negated, "from_flag": from_flag, "aliases": aliases}
-    return field(metadata=metadata) if required else field(default=default, metadata=metadata)
+                "negated": negated, "from_flag": from_flag, "aliases": aliases, "required": required}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class TrainConfig:
     """Every training option; those with a flag in ``moh-dit train`` say so in their metadata."""
 
-    preset: str = option(required=True, choices=tuple(PRESETS), metavar="PRESET",
-                         help=f"model preset: {', '.join(PRESETS)}")
-    output_dir: str = option(required=True)
+    preset: str | None = option(None, choices=tuple(PRESETS), metavar="PRESET",
+                                help=f"model preset: {', '.join(PRESETS)}. Optional with --init-from (the "
+                                "architecture is then the folder's config.json; a preset given must match it) and "
+                                "with --resume (the run's recorded model)")
+    output_dir: str = option(None, required=True)
     data_dir: str | None = option(None, "ImageFolder: one sub-folder of images per class", one_of="data",
                                   aliases=("--train_data_dir",))
     latents_dir: str | None = option(None, "latent cache written by moh-dit extract-latents", one_of="data")
@@ -159,7 +163,12 @@ class TrainConfig:
         """Every check that needs no data or model, so bad input fails before any work and
         before anything is written. The batch-size check runs when ``num_processes`` is known
         (or later, through :meth:`check_batch_split`)."""
-        if self.preset not in PRESETS:
+        if not self.output_dir:
+            raise ValueError("--output-dir is required: the folder of the run.")
+        if self.preset is None and self.init_from is None and self.resume is None:
+            raise ValueError("Give --preset (one of " + ", ".join(PRESETS) + "), or --init-from a saved model folder "
+                             "whose config.json gives the architecture, or --resume a run.")
+        if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"Unknown preset {self.preset!r}. Known presets: {', '.join(PRESETS)}.")
         if (self.data_dir is None) == (self.latents_dir is None):
             raise ValueError("Give exactly one of --data-dir (an ImageFolder) or --latents-dir (a latent cache).")
@@ -327,7 +336,7 @@ class TrainConfig:
         steps = self.router_warmup_steps
         _check(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0, "--router-warmup-steps", steps,
                "0 or more")
-        if steps and PRESETS[self.preset].get("num_shared_heads") is None:
+        if steps and self.preset is not None and PRESETS[self.preset].get("num_shared_heads") is None:
             raise ValueError(f"--router-warmup-steps {steps}: {self.preset} is a dense DiT without routers; use a MoH "
                              "preset or drop the flag.")
 

@@ -94,8 +94,8 @@ def check_same_model(model_config: dict, recorded: dict | None, where: str) -> N
              if ours.get(k) != theirs.get(k)]
     if diffs:
         raise ValueError(f"the model this command builds differs from {where}: {'; '.join(diffs)}. Resume with the "
-                         "run's --image-size, --vae, --class-dropout and data, or start a new run with another "
-                         "--output-dir.")
+                         "run's --image-size, --vae, --class-dropout and data (and its --preset, or none to take the "
+                         "run's model), or start a new run with another --output-dir.")
 
 
 def _holds_run(out: Path) -> str | None:
@@ -217,6 +217,26 @@ def plan_run(cfg: TrainConfig) -> Plan:
     return Plan(str(folder), marker, record, marker["run"]["run_id"], notes, warnings)
 
 
+def recorded_model(plan: Plan) -> dict | None:
+    """The model config of the run a resume continues: its checkpoint's, else its record's; None
+    for a new run."""
+    recorded = plan.marker["run"] if plan.marker is not None else plan.record
+    return (recorded or {}).get("model_config")
+
+
+def with_run_preset(cfg: TrainConfig, plan: Plan) -> TrainConfig:
+    """``cfg``, and for a resume without --preset (or --init-from) the preset the run recorded
+    (None for a run whose architecture came from an --init-from folder: its recorded model
+    config is then the architecture). A resume with no run to continue needs --preset."""
+    if cfg.preset is not None or cfg.init_from is not None:
+        return cfg
+    if recorded_model(plan) is None:
+        raise ValueError(f"--resume {cfg.resume}: --output-dir {cfg.output_dir} holds no run to take the model from; "
+                         "give --preset (or --init-from a saved model folder) to start one.")
+    recorded = plan.marker["run"] if plan.marker is not None else plan.record
+    return dataclasses.replace(cfg, preset=recorded.get("preset"))
+
+
 def preflight(cfg: TrainConfig) -> str:
     """Validate ``cfg`` and check its run folder as ``train`` would, writing nothing and
     taking no lock (``--dry-run``); returns what ``train`` would do. A folder that a live run
@@ -228,6 +248,7 @@ def preflight(cfg: TrainConfig) -> str:
                                                               // (cfg.gradient_accumulation_steps or 1)))
     FolderLock(Path(cfg.output_dir)).peek()
     plan = plan_run(cfg)
+    with_run_preset(cfg, plan)
     for message in [*plan.warnings, cfg.ema_warning()]:
         if message is not None:
             warn(message)

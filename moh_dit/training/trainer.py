@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import os
 import time
@@ -32,7 +33,7 @@ from torch.utils.data import DataLoader
 from ..data.datasets import ImageFolderDataset, ResumableSampler, collate_skip_corrupt, write_class_index
 from ..data.latents import LatentDataset, load_vae, vae_downsample_factor
 from ..diffusion.gaussian_diffusion import create_diffusion
-from ..models.presets import resolve_layer_layout
+from ..models.presets import get_preset, resolve_layer_layout
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 from ..utils.io import atomic_write, publish_folder
 from ..utils.output_folders import write_output_marker
@@ -41,7 +42,8 @@ from ..utils.runtime import set_tf32
 from ..utils.speed import compile_model, peak_flops, training_flops_per_image
 from .checkpoints import Parts, TrainState, everywhere, load_checkpoint, on_main, save_checkpoint, writing
 from .config import TrainConfig, TrainingDivergedError, check_batch_memory, warn
-from .run_folder import FolderLock, Plan, claim_folder, normalized, probe_and_plan, record_run, run_identity
+from .run_folder import (FolderLock, Plan, claim_folder, normalized, probe_and_plan, record_run, recorded_model,
+                         run_identity, with_run_preset)
 from .schedules import build_lr_scheduler, ema_decay_at
 from .tracking import log_images, log_with, resolve_report_to
 
@@ -49,7 +51,8 @@ logger = get_logger(__name__)
 
 
 def train(cfg: TrainConfig) -> Path:
-    """Train ``cfg.preset`` and return the folder of the exported EMA model (``OUT/final``).
+    """Train the model of ``cfg`` (its preset; without one, the ``--init-from`` folder's or the
+    resumed run's architecture) and return the folder of the exported EMA model (``OUT/final``).
     Every process runs every line; ``OUT/.lock`` is held from the first look at the folder
     to the end (released however the run ends)."""
     from accelerate.utils import set_seed
@@ -60,12 +63,13 @@ def train(cfg: TrainConfig) -> Path:
         # Set up. Read-only until claim_folder: a refused run leaves the folder as it was.
         plan: Plan = on_main(accelerator, lambda: probe_and_plan(lock, cfg))
         _check_init_resume(cfg, plan)
+        cfg = with_run_preset(cfg, plan)  # a resume without --preset: the run's
         if accelerator.device.type == "cuda":
             set_tf32(cfg.allow_tf32)
         set_seed(cfg.seed, device_specific=True)
         data = _build_data(cfg, accelerator)  # validated before any model or VAE work
         space = _build_latent_space(cfg, data.dataset, accelerator.device)
-        model, model_config = _build_model(cfg, space, data.classes)
+        model, model_config = _build_model(cfg, space, data.classes, recorded_model(plan))
         on_main(accelerator, lambda: claim_folder(cfg, plan, lock, model_config, logger.info))
         parts, model = _build_optimisation(cfg, accelerator, model, data.sampler)
         diffusion = create_diffusion()
@@ -265,16 +269,51 @@ def _build_latent_space(cfg: TrainConfig, dataset, device: torch.device) -> Late
     return LatentSpace((vae.config.latent_channels, size, size), vae, vae.config.scaling_factor, vae)
 
 
-def _build_model(cfg: TrainConfig, space: LatentSpace, classes: list[str]):
-    """The preset's model for this data, and its config as the run records it."""
+def _build_model(cfg: TrainConfig, space: LatentSpace, classes: list[str], recorded: dict | None):
+    """The run's model for this data (:func:`_architecture`; ``recorded``: the model config of
+    the run a resume continues), and its config as the run records it."""
     overrides = dict(cfg.model_overrides)
     overrides.update(sample_size=space.shape[1], in_channels=space.shape[0], num_classes=len(classes),
                      class_dropout_prob=cfg.class_dropout, class_names=list(classes))
-    model = MoHDiTTransformer2DModel.from_preset(cfg.preset, **overrides)
+    model = MoHDiTTransformer2DModel(**{**_architecture(cfg, recorded), **overrides})
+    if cfg.router_warmup_steps and not model.is_moh:  # a preset's is refused by TrainConfig.validate
+        raise ValueError(f"--router-warmup-steps {cfg.router_warmup_steps}: {_model_source(cfg)} is a dense DiT "
+                         "without routers; drop the flag.")
     model_config = normalized({k: v for k, v in dict(model.config).items() if not k.startswith("_")})
     if cfg.init_from is not None:
         _load_init_weights(cfg, model, model_config)
     return model, model_config
+
+
+def _model_source(cfg: TrainConfig) -> str:
+    """Where the run's architecture comes from, in a message's words."""
+    if cfg.preset is not None:
+        return f"--preset {cfg.preset}"
+    return f"the model of --init-from {cfg.init_from}" if cfg.init_from is not None else "the resumed run's model"
+
+
+def _architecture(cfg: TrainConfig, recorded: dict | None) -> dict[str, Any]:
+    """The model's constructor arguments before the data's: ``--preset``'s; without it, those
+    of the ``--init-from`` folder's config.json (an upcycled layout has no preset), else those
+    the resumed run recorded."""
+    if cfg.preset is not None:
+        return get_preset(cfg.preset)
+    if cfg.init_from is not None:
+        try:
+            config = MoHDiTTransformer2DModel.load_config(cfg.init_from)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"--init-from {cfg.init_from}: cannot read its config.json ({type(error).__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else ''}).") from None
+        kind = config.get("_class_name", MoHDiTTransformer2DModel.__name__)
+        if kind != MoHDiTTransformer2DModel.__name__:
+            raise ValueError(f"--init-from {cfg.init_from} holds a {kind}, not a MoHDiTTransformer2DModel; give a "
+                             "folder written by moh-dit upcycle, moh-dit convert or a run's final/.")
+    elif recorded is not None:
+        config = recorded
+    else:  # with_run_preset refuses a resume without a preset or a recorded model
+        raise ValueError("no --preset, --init-from or recorded model to build the run's model from.")
+    accepted = inspect.signature(MoHDiTTransformer2DModel.__init__).parameters
+    return {k: v for k, v in config.items() if k in accepted and k != "self"}
 
 
 # Settings of a saved model that --init-from may differ in: the run sets them from its data and flags.
@@ -301,9 +340,12 @@ def _load_init_weights(cfg: TrainConfig, model: MoHDiTTransformer2DModel, model_
     diffs = [f"{k} {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in sorted(set(theirs) | set(ours))
              if k not in _INIT_FREE_KEYS and theirs.get(k) != ours.get(k)]
     if diffs:
+        if cfg.preset is None:
+            raise ValueError(f"--init-from {cfg.init_from} does not fit this data: {'; '.join(diffs)}. Train it on "
+                             "data of its image size, channels and class count.")
         raise ValueError(f"--init-from {cfg.init_from} does not fit --preset {cfg.preset} on this data: "
-                         f"{'; '.join(diffs)}. Use the preset the model was made for (moh-dit upcycle prints it) "
-                         "and data of its size and classes.")
+                         f"{'; '.join(diffs)}. Leave --preset out (the folder's config.json gives the architecture), "
+                         "or use the preset the model was made for, and data of its size and classes.")
     names = theirs.get("class_names")
     if names is not None and names != model_config.get("class_names"):
         warn(f"--init-from {cfg.init_from} was trained with classes {names[:5]}..., this data's are "
@@ -394,6 +436,20 @@ def _next_batch(batches: Iterator, data: _Data, space: LatentSpace, state: Train
     return x, y
 
 
+def label_drop_mask(labels: torch.Tensor, probability: float) -> torch.Tensor:
+    """(B,) bool: which labels of the batch train as the null class (label dropout for
+    classifier-free guidance), drawn here, in eager code, from torch's generator. The model
+    gets it as ``force_drop_ids`` and draws nothing: a compiled forward would draw from the
+    compiler's generator instead, and a compiled run would then neither follow an eager one
+    with the same seed nor resume one. The draw is diffusers' ``LabelEmbedding.token_drop``'s
+    (one uniform per label, on the labels' device), at the point of the random stream where
+    the model drew it, so runs keep the losses they had when the model drew it. Without
+    dropout nothing is drawn, as the model drew nothing."""
+    if probability <= 0:
+        return torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+    return torch.rand(labels.shape[0], device=labels.device) < probability
+
+
 def _train_step(cfg: TrainConfig, parts: Parts, model: torch.nn.Module, diffusion,
                 micro_batches: list[tuple[torch.Tensor, torch.Tensor]], log_now: bool) -> _Step:
     """One optimiser step through ``model`` (as accelerate prepared it): for each (x, y) of
@@ -408,9 +464,11 @@ def _train_step(cfg: TrainConfig, parts: Parts, model: torch.nn.Module, diffusio
             t = diffusion.sample_timesteps(x.shape[0], device=acc.device)
             noise = torch.randn_like(x)
             x_t = diffusion.q_sample(x, t, noise)
+            drop = label_drop_mask(y, cfg.class_dropout)
             head_usage = log_now and parts.model.is_moh and i == len(micro_batches) - 1
             with acc.autocast():
-                out = model(x_t, t, y, output_load_balance_loss=True, output_head_usage=head_usage)
+                out = model(x_t, t, y, output_load_balance_loss=True, output_head_usage=head_usage,
+                            force_drop_ids=drop)
             terms = diffusion.training_losses(out.sample, x, x_t, t, noise)
             loss = terms["loss"].mean() + cfg.lb_coeff * out.load_balance_loss
             acc.backward(loss)
