@@ -13,7 +13,9 @@ Follows diffusers' ``DiTPipeline`` (one ``__call__``, ``randn_tensor`` with gene
   (``pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)``): DDPM's step gets the
   learned-range variance channels (the paper's 250-step sampler), every other one the eps half
   (:func:`moh_dit.diffusion.schedulers.scheduler_takes_variance`);
-* ``head_activation_ratio`` per call (restored afterwards) and, on request, the run's head usage;
+* ``head_activation_ratio`` per call (restored afterwards), also as a schedule (a ratio per
+  denoising step: :mod:`moh_dit.models.head_schedule`), with the realised per-step ratios and the
+  mean attention FLOPs on the output, and, on request, the run's head usage;
 * ``seeds``: one seed per image for the initial noise *and* every DDPM step's noise, so
   image ``i`` does not depend on the batch it was drawn in;
 * pixel-space models (no VAE) as well as latent ones;
@@ -26,9 +28,11 @@ The module path ``moh_dit.pipelines.pipeline_moh_dit`` is written into saved
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
 import numbers
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -47,7 +51,9 @@ from diffusers.utils.torch_utils import randn_tensor
 # and user code; they are defined in the modules they belong to.
 from moh_dit.diffusion.schedulers import eps_only_config, make_scheduler, scheduler_takes_variance
 from moh_dit.hub.export_format import load_export_components, read_export_index, write_loader_file
+from moh_dit.models.flops import model_attention_flops
 from moh_dit.models.head_activation import head_activation
+from moh_dit.models.head_schedule import HeadActivationPlan, HeadActivationSchedule, as_schedule, plan_head_activation
 from moh_dit.models.transformer_moh_dit import MoHDiTTransformer2DModel
 from .finite_watch import FiniteWatch, NonFiniteLatentsError
 from .labels import LabelIndex, imagenet_id2label, resolve_id2label
@@ -67,6 +73,12 @@ OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
+def _is_schedule(value: Any) -> bool:
+    """Whether a ``head_activation_ratio`` asks for a schedule (a ratio per step) rather than one ratio."""
+    return (isinstance(value, (str, list, tuple, np.ndarray, HeadActivationSchedule)) or callable(value)
+            or (torch.is_tensor(value) and value.numel() != 1))
+
+
 def _real(value: Any) -> float | None:
     """``value`` as a float if it is a real number (not a bool, not a string), else None."""
     if torch.is_tensor(value) and value.numel() == 1:
@@ -83,16 +95,27 @@ class MoHDiTPipelineOutput(BaseOutput):
     Args:
         images: ``PIL.Image`` list, (B, H, W, C) float numpy array in [0, 1], a (B, C, H, W)
             tensor in [0, 1] (``"pt"``), or the final latents (``"latent"``).
-        head_activation_ratio: the head-weighted activation ratio the run used.
+        head_activation_ratio: the head-weighted activation ratio the run used; for a schedule,
+            the mean of the realised per-step ratios.
         head_usage: one (h_l,) float tensor per layer (CPU): the fraction of tokens that
             used each head, averaged over all transformer calls of the run (for guided runs
             this includes the unconditional half). Shared heads are 1.0. None when the call
             passed ``output_head_usage=False``.
+        head_activation_ratios: the realised ratio of every denoising step, in order (all equal
+            for a single ratio; a schedule's are rounded to the model's per-layer top-K).
+        mean_attention_flops: ideal head-sparse attention FLOPs of one transformer forward pass
+            for one image (``moh_dit.models.flops.model_attention_flops`` at each step's top-K),
+            averaged over the steps; a guided step makes two such passes at the same ratio.
+        mean_attention_flop_ratio: ``mean_attention_flops`` over the same model's dense attention
+            FLOPs (every head active).
     """
 
     images: list[PIL.Image.Image] | np.ndarray | torch.Tensor
     head_activation_ratio: float
     head_usage: list[torch.Tensor] | None
+    head_activation_ratios: list[float] | None = None
+    mean_attention_flops: float | None = None
+    mean_attention_flop_ratio: float | None = None
 
 
 @dataclass
@@ -109,6 +132,9 @@ class _SamplingRun:
     step_kwargs: dict[str, Any]
     callback: Callable[..., dict[str, Any]] | None  # diffusers' callback_on_step_end
     callback_inputs: Sequence[str]
+    step_ratios: list[float] | None = None  # a schedule's requested ratio per step (None: one ratio for the call)
+    step_realised: list[float] = dataclasses.field(default_factory=list)  # what each step ran at
+    step_top_k: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 class MoHDiTPipeline(DiffusionPipeline):
@@ -286,7 +312,10 @@ class MoHDiTPipeline(DiffusionPipeline):
             if not bool(torch.isfinite(latents).all()):
                 raise ValueError("latents hold NaN or inf; pass finite initial noise.")
         self._takes_variance()  # a scheduler that cannot sample this model
-        if head_activation_ratio is not None:
+        if _is_schedule(head_activation_ratio):
+            # every step's ratio within the model's range, on the timesteps this call will run
+            self.head_activation_plan(head_activation_ratio, num_inference_steps, timesteps)
+        elif head_activation_ratio is not None:
             ratio = _real(head_activation_ratio)
             low, high = self.transformer.head_activation_range
             if ratio is None or not math.isfinite(ratio) or not low - 1e-9 <= ratio <= high + 1e-9:
@@ -294,6 +323,41 @@ class MoHDiTPipeline(DiffusionPipeline):
                     f"head_activation_ratio={head_activation_ratio} is outside this model's reachable range "
                     f"[{low:.4f}, {high:.4f}]."
                 )
+
+    def head_activation_plan(
+        self,
+        head_activation_ratio: Any,
+        num_inference_steps: int | None = 50,
+        timesteps: Sequence[int] | None = None,
+    ) -> HeadActivationPlan:
+        """What ``head_activation_ratio`` (a ratio or a schedule, as ``__call__`` takes it) realises
+        over the trajectory of ``num_inference_steps`` (or ``timesteps``) with this pipeline's
+        scheduler: per step the requested and realised ratio, the per-layer top-K and the attention
+        FLOPs (:class:`~moh_dit.models.head_schedule.HeadActivationPlan`). Nothing runs on the model
+        and the model and scheduler are left as they were; ValueError names the first step whose
+        ratio is out of the model's reachable range."""
+        self._check_steps(num_inference_steps, timesteps)
+        if head_activation_ratio is None:
+            schedule = HeadActivationSchedule.constant(self.transformer.head_activation_ratio)
+        elif _is_schedule(head_activation_ratio):
+            schedule = as_schedule(head_activation_ratio)
+        else:
+            ratio = _real(head_activation_ratio)
+            if ratio is None:
+                raise ValueError(f"head_activation_ratio={head_activation_ratio!r} is not a number or a schedule.")
+            schedule = HeadActivationSchedule.constant(ratio) if 0 < ratio <= 1 else HeadActivationSchedule(
+                str(ratio), lambda i, t, n: ratio)  # out of (0, 1]: the plan names the range
+        return plan_head_activation(self.transformer, schedule, self.sampling_timesteps(num_inference_steps, timesteps))
+
+    def sampling_timesteps(self, num_inference_steps: int | None, timesteps: Sequence[int] | None) -> torch.Tensor:
+        """The timesteps a call with these arguments runs, from a copy of the scheduler (whose
+        ``set_timesteps`` is left for the call itself)."""
+        scheduler = copy.deepcopy(self.scheduler)
+        if timesteps is None:
+            scheduler.set_timesteps(num_inference_steps)
+        else:
+            scheduler.set_timesteps(timesteps=[int(t) for t in timesteps])
+        return scheduler.timesteps
 
     def _check_steps(self, num_inference_steps: int | None, timesteps: Sequence[int] | None) -> None:
         """``num_inference_steps`` (or the explicit ``timesteps``) within the model's diffusion steps."""
@@ -352,7 +416,7 @@ class MoHDiTPipeline(DiffusionPipeline):
         class_labels: int | str | Sequence[int | str] | torch.Tensor,
         guidance_scale: float = 4.0,
         num_inference_steps: int = 50,
-        head_activation_ratio: float | None = None,
+        head_activation_ratio: float | str | Sequence[float] | Callable[[int], float] | HeadActivationSchedule | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
         seeds: Sequence[int] | None = None,
         latents: torch.Tensor | None = None,
@@ -377,7 +441,13 @@ class MoHDiTPipeline(DiffusionPipeline):
                 numbers use 250 DDPM steps).
             head_activation_ratio: routed top-K for this call only (see
                 ``MoHDiTTransformer2DModel.set_head_activation_ratio``); None: the model's
-                current setting. Restored afterwards.
+                current setting. Restored afterwards. A schedule sets it before every step: a
+                spec string (``"linear:0.5:1.0"``, ``"cosine:1.0:0.5"``, ``"step:0.5@t>500,1.0"``),
+                one ratio per step, a function of the timestep, or a
+                ``HeadActivationSchedule`` (e.g. ``HeadActivationSchedule.of_fraction(f)``, a
+                function of the step's fraction of the trajectory). Every step's ratio is
+                checked against the model's range before the first step; the realised per-step
+                ratios are ``head_activation_ratios`` on the output.
             generator: a ``torch.Generator`` or one per image (diffusers convention).
             seeds: one seed per image instead of ``generator``: each image gets its own CPU
                 generator for its initial noise and for the noise of every DDPM step, so
@@ -428,7 +498,14 @@ class MoHDiTPipeline(DiffusionPipeline):
         else:
             self.scheduler.set_timesteps(timesteps=[int(t) for t in timesteps])
         x = self._initial_latents(len(run.ids), generator, latents)
-        with self._sampling_state(head_activation_ratio, run.use_variance) as realised:
+        scheduled = _is_schedule(head_activation_ratio)
+        if scheduled:
+            plan = plan_head_activation(self.transformer, as_schedule(head_activation_ratio), self.scheduler.timesteps)
+            run.step_ratios = plan.requested
+        with self._sampling_state(None if scheduled else head_activation_ratio, run.use_variance) as realised:
+            if not scheduled:  # one top-K for the whole call
+                run.step_top_k = [self.transformer.top_k_per_layer] * len(self.scheduler.timesteps)
+                run.step_realised = [realised] * len(self.scheduler.timesteps)
             x, head_usage, watch = self._denoise(run, x)
         error = watch.error(self.scheduler.timesteps, run.guidance_scale)
         if error is not None:
@@ -438,7 +515,13 @@ class MoHDiTPipeline(DiffusionPipeline):
         self.maybe_free_model_hooks()
         if not return_dict:
             return (images,)
-        return MoHDiTPipelineOutput(images=images, head_activation_ratio=realised, head_usage=head_usage)
+        flops = {tuple(k): model_attention_flops(self.transformer, k) for k in run.step_top_k}  # (sparse, dense)
+        mean_flops = sum(flops[tuple(k)][0] for k in run.step_top_k) / len(run.step_top_k)
+        return MoHDiTPipelineOutput(
+            images=images, head_activation_ratio=sum(run.step_realised) / len(run.step_realised) if scheduled else realised,
+            head_usage=head_usage, head_activation_ratios=list(run.step_realised), mean_attention_flops=mean_flops,
+            mean_attention_flop_ratio=mean_flops / next(iter(flops.values()))[1],
+        )
 
     # ------------------------------------------------------------------ the steps of a call
     @contextlib.contextmanager
@@ -512,6 +595,9 @@ class MoHDiTPipeline(DiffusionPipeline):
         calls = 0
         watch = FiniteWatch(x.device, len(self.scheduler.timesteps))
         for index, t in enumerate(self.progress_bar(self.scheduler.timesteps)):
+            if run.step_ratios is not None:  # a schedule: this step's top-K (restored by _sampling_state)
+                run.step_realised.append(self.transformer.set_head_activation_ratio(run.step_ratios[index]))
+                run.step_top_k.append(self.transformer.top_k_per_layer)
             x, used = self._denoise_step(run, x, t)
             if run.callback is not None:
                 tensors = {"latents": x}  # the names of _callback_tensor_inputs
