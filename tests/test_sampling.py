@@ -313,6 +313,11 @@ def _sample_argv(models, out, *extra):
         (["--head-activation-ratio", "1.5"], r"--head-activation-ratio must be in \(0, 1\], got 1\.5"),
         (["--head-activation-ratio", "nan"], r"--head-activation-ratio must be in \(0, 1\], got nan"),
         (["--head-activation-ratio", "inf"], r"--head-activation-ratio must be in \(0, 1\], got inf"),
+        (["--head-activation-ratio", "linear:0.2:1"], r"schedule 'linear:0\.2:1' asks for 0\.2000 at step 0 "
+                                                      r"\(timestep \d+\), outside this model's reachable range"),
+        (["--head-activation-ratio", "linear:0.5"], r"--head-activation-ratio: head-activation schedule 'linear:0\.5': "
+                                                    r"linear takes two ratios"),
+        (["--head-activation-ratio", "half"], r"--head-activation-ratio: .*neither a number nor a schedule"),
         (["--seed", "-1"], r"--seed must be >= 0"),
         (["--seed", str(2**64 - 1)], r"--seed 18446744073709551615 \+ --num-samples 2 - 1 exceeds"),
         (["--scheduler", "euler"], r"--scheduler: invalid choice"),
@@ -375,6 +380,39 @@ def test_sample_settings_validate():
         (dict(num_samples=0), "num_samples must be an int >= 1"),
         (dict(seed=-1), "seed must be an int >= 0"),
         (dict(seed=2**64 - 1, num_samples=2), "exceeds"),
+        (dict(head_activation_ratio="linear:0.5"), r"schedule 'linear:0\.5': linear takes two ratios"),
+        (dict(head_activation_ratio="1.5"), r"head_activation_ratio must be in \(0, 1\]"),
     ]:
         with pytest.raises(ValueError, match=message):
             SampleSettings(**kwargs)
+    # A schedule is kept in its canonical spelling (what the resume check compares); a number as text is a float.
+    assert SampleSettings(head_activation_ratio="step:1.0@t>500, 0.50").head_activation_ratio == "step:1@t>500,0.5"
+    assert SampleSettings(head_activation_ratio="0.75").head_activation_ratio == 0.75
+
+
+def test_script_with_a_schedule_records_it_and_refuses_another_on_resume(tmp_path, load_script, sampling_pipe):
+    script = load_script("sample")
+    model_dir, out = tmp_path / "model", tmp_path / "out"
+    sampling_pipe(dtype=torch.float32).transformer.save_pretrained(model_dir)
+    argv = ["--model", str(model_dir), "--output", str(out), "--num-samples", "3", "--per-device-batch-size", "2",
+            "--num-inference-steps", "2", "--guidance-scale", "1.5", "--no-npz"]
+    assert script.main(script.parse_args(argv + ["--head-activation-ratio", "step:1.0@t>500,0.5"])) == 0
+    saved = json.loads((out / SETTINGS_FILE).read_text())
+    identity, run = saved["identity"], saved["run"]
+    assert identity["head_activation_ratio"] == "step:1@t>500,0.5"
+    assert run["head_activation_schedule"] == "step:1@t>500,0.5" and run["head_activation_ratios"] == [1.0, 0.5]
+    assert run["realised_head_activation_ratio"] == 0.75 and run["top_k_per_layer"] is None
+    assert len(run["top_k_per_step"]) == 2 and run["mean_attention_flop_ratio"] < 1.0
+    # The images are the pipeline's with that schedule (image i: class i, seed i).
+    from moh_dit.sampling.sample import load_pipeline
+
+    pipe = load_pipeline(model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    latents = pipe([0, 1, 2], guidance_scale=1.5, num_inference_steps=2, head_activation_ratio="step:1@t>500,0.5",
+                   guidance_channels="dit", seeds=[0, 1, 2], output_type="latent").images
+    np.testing.assert_array_equal(read_pngs(out, 3), quantize_dit(latents))
+    # Resuming with another schedule (or a float) is refused; the same one, spelt otherwise, resumes.
+    for other in ("step:1@t>400,0.5", "0.75"):
+        with pytest.raises(ValueError, match="different settings.*head_activation_ratio"):
+            script.main(script.parse_args(argv + ["--head-activation-ratio", other]))
+    assert script.main(script.parse_args(argv + ["--head-activation-ratio", "step:1@t > 500, 0.50"])) == 0

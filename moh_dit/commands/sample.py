@@ -32,6 +32,7 @@ from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.utils.output_folders import check_outside_inputs, hold_output_folder
 from moh_dit.utils.logging import get_logger, info_enabled
 from moh_dit.diffusion.schedulers import SCHEDULERS
+from moh_dit.models.head_schedule import SCHEDULE_EXAMPLES, schedule_setting
 from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS
 from moh_dit.utils.speed import COMPILE_MODES, compile_model
 from moh_dit.sampling.sample import (
@@ -57,6 +58,15 @@ from moh_dit.sampling.sample import (
 logger = get_logger(__name__)
 
 
+def ratio_or_schedule(text: str) -> float | str:
+    """``--head-activation-ratio``'s value: a float for a number (range-checked by check_args), else a
+    head-activation schedule's canonical spec; argparse reports a bad schedule in one line."""
+    try:
+        return schedule_setting(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a save_pretrained transformer folder or a MoHDiTPipeline folder")
@@ -80,8 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clip-sample", choices=["auto", "yes", "no"], default="auto",
                         help="with a scheduler built here: clamp predicted x0 to [-1, 1]; auto: yes for pixel-space "
                              "models, no for latent ones")
-    parser.add_argument("--head-activation-ratio", type=float, default=None,
-                        help="head-weighted activation ratio for sampling (default: the trained one)")
+    parser.add_argument("--head-activation-ratio", type=ratio_or_schedule, default=None,
+                        help="head-weighted activation ratio for sampling (default: the trained one), or a schedule "
+                             f"that sets it per denoising step ({SCHEDULE_EXAMPLES}; quote it in a shell; see "
+                             "docs/sampling.md)")
     parser.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
     parser.add_argument("--class-labels", choices=CLASS_LABEL_MODES, default="balanced",
                         help="balanced: class i mod num_classes (50 per class for 50k); uniform: random per index")
@@ -108,7 +120,7 @@ def check_args(args: argparse.Namespace) -> None:
     at_least_one("--num-inference-steps", args.num_inference_steps)
     check_seed_flags(args.guidance_scale, args.seed, args.num_samples)
     ratio = args.head_activation_ratio
-    if ratio is not None and not (math.isfinite(ratio) and 0 < ratio <= 1):
+    if isinstance(ratio, float) and not (math.isfinite(ratio) and 0 < ratio <= 1):
         raise ValueError(f"--head-activation-ratio must be in (0, 1], got {ratio}; leave it out for the trained one.")
     if args.scheduler == "dpm" and args.clip_sample == "yes":
         raise ValueError("--clip-sample yes does not apply to --scheduler dpm (DPM-Solver has no x0 clipping); "
@@ -136,7 +148,7 @@ def check_model_args(args: argparse.Namespace, pipe, settings: SampleSettings) -
     if args.num_inference_steps > train_steps:
         raise ValueError(f"--num-inference-steps {args.num_inference_steps} is more than the {train_steps} diffusion "
                          f"steps the model was trained with; use 1..{train_steps}.")
-    if args.head_activation_ratio is not None:
+    if isinstance(args.head_activation_ratio, float):  # a schedule's steps are checked by check_settings
         low, high = pipe.transformer.head_activation_range
         if not low - 1e-9 <= args.head_activation_ratio <= high + 1e-9:
             # The model's own message names its reachable range.
@@ -144,6 +156,20 @@ def check_model_args(args: argparse.Namespace, pipe, settings: SampleSettings) -
     check_settings(pipe, settings)
     if not args.no_npz:
         check_npz_fits_on_disk(args.output_dir, pipe, settings.num_samples)
+
+
+def head_activation_record(pipe, settings: SampleSettings) -> dict:
+    """What the run's head activation realises, for ``sample_config.json``: the ratio and per-layer
+    top-K; for a schedule, the mean realised ratio, every step's realised ratio and top-K, and the
+    mean attention FLOPs relative to dense."""
+    ratio = settings.head_activation_ratio
+    if not isinstance(ratio, str):
+        realised, top_k = preview_head_activation(pipe.transformer, ratio)
+        return {"realised_head_activation_ratio": realised, "top_k_per_layer": top_k}
+    plan = pipe.head_activation_plan(ratio, settings.num_inference_steps)
+    return {"realised_head_activation_ratio": plan.mean_ratio, "top_k_per_layer": None,
+            "head_activation_schedule": plan.spec, "head_activation_ratios": plan.realised,
+            "top_k_per_step": plan.top_k, "mean_attention_flop_ratio": plan.mean_attention_flop_ratio}
 
 
 def sampler_record(args: argparse.Namespace, pipe) -> dict[str, str]:
@@ -175,7 +201,6 @@ def main(args: argparse.Namespace) -> int:
     clip = {"auto": None, "yes": True, "no": False}[args.clip_sample]
     pipe = load_pipeline(args.model, vae=args.vae, scheduler=args.scheduler, clip_sample=clip, dtype=args.dtype)
     check_model_args(args, pipe, settings)  # everything is checked before anything is written
-    realised, top_k = preview_head_activation(pipe.transformer, args.head_activation_ratio)
     identity = run_identity(pipe, settings, args.model)
     run_info = {
         "args": vars(args),
@@ -183,8 +208,7 @@ def main(args: argparse.Namespace) -> int:
         "num_samples": settings.num_samples,
         "num_processes": accelerator.num_processes,
         "per_device_batch_size": args.per_device_batch_size,
-        "realised_head_activation_ratio": realised,
-        "top_k_per_layer": top_k,
+        **head_activation_record(pipe, settings),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     if args.dry_run:
@@ -225,7 +249,10 @@ def write_samples(args: argparse.Namespace, accelerator: Accelerator, pipe, sett
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return
-    logger.info(f"{made} images generated by rank 0 this run (head activation {realised:.4f}).")
+    schedule = run_info.get("head_activation_schedule")
+    activation = f"head activation {realised:.4f}" if schedule is None else \
+        f"head activation schedule {schedule}, mean realised ratio {realised:.4f}"
+    logger.info(f"{made} images generated by rank 0 this run ({activation}).")
     if made:
         logger.info(f"Speed: {made / elapsed:.3g} images/s on rank 0 ({elapsed:.1f} s, "
                     f"{'compiled' if args.compile else 'eager'} transformer, {args.dtype}).")

@@ -40,6 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..models.head_activation import head_activation, preview_head_activation
+from ..models.head_schedule import schedule_setting
 from ..utils.io import write_json_atomic
 from ..data.latents import load_vae
 from ..utils.output_folders import check_folder_path, write_output_marker
@@ -94,13 +95,16 @@ class SampleSettings:
 
     ``num_samples`` is the size of the set; growing it later keeps the earlier images
     (labels and seeds depend on the index only), so it is not part of the resume check.
+    ``head_activation_ratio``: a ratio, a head-activation schedule's spec (``"linear:0.5:1.0"``,
+    ``"step:0.5@t>500,1.0"``; kept in its canonical spelling, so a resume with another schedule is
+    refused), or None for the model's trained ratio.
     """
 
     num_samples: int = 50_000
     guidance_scale: float = 1.5
     guidance_channels: str = "dit"
     num_inference_steps: int = 250
-    head_activation_ratio: float | None = None
+    head_activation_ratio: float | str | None = None
     seed: int = 0
     class_labels: str = "balanced"
 
@@ -112,8 +116,11 @@ class SampleSettings:
             raise ValueError(f"guidance_scale must be a finite number >= 1 (1 = no guidance), got {self.guidance_scale!r}.")
         if not _is_int(self.num_inference_steps) or self.num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be an int >= 1, got {self.num_inference_steps!r}.")
+        if isinstance(self.head_activation_ratio, str):  # a schedule's spec, checked and spelt canonically
+            self.head_activation_ratio = schedule_setting(self.head_activation_ratio)
         ratio = self.head_activation_ratio
-        if ratio is not None and (not _is_real(ratio) or not math.isfinite(ratio) or not 0 < ratio <= 1):
+        if ratio is not None and not isinstance(ratio, str) and (
+                not _is_real(ratio) or not math.isfinite(ratio) or not 0 < ratio <= 1):
             raise ValueError(f"head_activation_ratio must be in (0, 1] (or None: the trained one), got {ratio!r}.")
         if self.class_labels not in CLASS_LABEL_MODES:
             raise ValueError(f"class_labels={self.class_labels!r}; choose one of {CLASS_LABEL_MODES}.")
