@@ -20,6 +20,7 @@ from moh_dit import MoHDiTTransformer2DModel
 from moh_dit import evaluation as ev
 from moh_dit.sampling.sample import SampleSettings, load_pipeline, png_path, quantize_dit
 from moh_dit.utils.output_folders import hold_output_folder
+from moh_dit.sampling.sweep_results import CONSTANT_LABEL, X_LABEL
 from moh_dit.sampling.sweep import (
     PLOT_PANELS,
     SweepRow,
@@ -139,7 +140,7 @@ def test_plan_ratios_realises_the_models_layouts(randomize):
     assert model.top_k_per_layer == model.trained_top_k  # planning leaves the model alone
     with pytest.raises(ValueError, match=r"ratio 0.3 is outside this model's reachable range \[0.5000, 1.0000\]"):
         plan_ratios(model, [1.0, 0.3])
-    with pytest.raises(ValueError, match="neither a number nor"):
+    with pytest.raises(ValueError, match="neither a number, one of .*nor a schedule"):
         parse_ratios("1.0,half")
     with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
         parse_ratios("1.5")
@@ -207,7 +208,7 @@ def test_written_files(sweep):
     assert table[2]["top_k_per_layer"] == "0 0 0 0 0 1"
     with PIL.Image.open(paths["plot"]) as plot:
         plot.load()
-        assert plot.size == (720, 460) and plot.mode == "RGB"
+        assert plot.size == (900, 520) and plot.mode == "RGB"
         assert len(np.unique(np.asarray(plot).reshape(-1, 3), axis=0)) > 10  # something was drawn
     assert sorted(p.name for p in out.iterdir()) == [
         ".moh-dit-output.json", "fid_vs_ratio.png", "ratio_0.5000", "ratio_0.7500", "ratio_1.0000", "sweep.csv",
@@ -218,25 +219,34 @@ def test_written_files(sweep):
 
 
 def test_plot_shows_the_written_numbers(sweep):
-    """Each panel of fid_vs_ratio.png plots its column of sweep.json against the realised ratio."""
+    """Each panel of fid_vs_ratio.png plots its column of sweep.json against the mean relative
+    attention FLOPs, with the rows' 95% intervals as error bars, on an axis from 0."""
     result, paths, _ = sweep
     data = json.loads(paths["json"].read_text())
     figure = plot_fid_vs_ratio([SweepRow(**row) for row in data["rows"]], "title", "subtitle", comparable=False)
     # Without a classifier the class-accuracy panel has no values and is left out.
     assert [ax.get_ylabel() for ax in figure.axes] == [PLOT_PANELS[0][1]] == ["FID"]
-    for ax, (column, _) in zip(figure.axes, PLOT_PANELS[:1]):
-        expected = sorted((row["realised_ratio"], row[column], row["ratio"]) for row in data["rows"])
-        (line,) = ax.lines
-        xs, ys = line.get_data()
-        assert list(xs) == [x for x, _, _ in expected] == [0.5, 0.75, 1.0]
-        assert list(ys) == [y for _, y, _ in expected]
-        labels = [text.get_text() for text in ax.texts]
-        assert labels == [f"{y:.2f}" if name == "1.0" else f"{name}: {y:.2f}" for _, y, name in expected]
-        assert ax.get_xlabel() == "head activation ratio (realised)"
+    ax = figure.axes[0]
+    expected = sorted((row["attention_flop_ratio"], row["fid"], row["fid_low"], row["fid_high"]) for row in data["rows"])
+    (constant,) = [c for c in ax.containers if c.get_label() == CONSTANT_LABEL]  # an errorbar container
+    xs, ys = constant.lines[0].get_data()
+    assert list(xs) == [e[0] for e in expected] and list(ys) == [e[1] for e in expected]
+    assert xs[-1] == 1.0 and len(set(xs)) == 3
+    # Error bars: one vertical segment per row, from fid_low to fid_high.
+    (bars,) = constant.lines[2]
+    segments = sorted((seg[0][0], seg[0][1], seg[1][1]) for seg in bars.get_segments())
+    np.testing.assert_allclose(segments, [(x, low, high) for x, _, low, high in expected], rtol=1e-12)
+    assert all(low < y < high for _, y, low, high in expected)
+    # The trained ratio is marked, no number is printed on the points, the axis starts at 0.
+    (star,) = [line for line in ax.lines if line.get_label() == "trained ratio"]
+    trained = next(row for row in data["rows"] if "trained" in row["requested"])
+    assert list(star.get_xdata()) == [trained["attention_flop_ratio"]] and list(star.get_ydata()) == [trained["fid"]]
+    assert not ax.texts and ax.get_ylim()[0] == 0.0 and ax.get_ylim()[1] > max(e[3] for e in expected)
+    assert ax.get_xlabel() == X_LABEL
     subtitle = [text for text in figure.texts if text.get_text() == "subtitle"][0]
     assert subtitle.get_color() == "#be1e1e"  # red: not comparable to published numbers
     with PIL.Image.open(io.BytesIO(figure_png(figure))) as image:
-        assert image.size == (720, 460) and image.mode == "RGB"
+        assert image.size == (900, 520) and image.mode == "RGB"
 
 
 def test_plot_without_values_and_without_matplotlib(sweep, monkeypatch):
@@ -326,7 +336,7 @@ def test_dense_model_single_point(dense_dir, reference_dir, tmp_path):
     assert [r.ratio for r in result.rows] == ["trained/1.0/min"] and result.rows[0].attention_flop_ratio == 1.0
     paths = write_sweep(result, tmp_path / "dense")
     with PIL.Image.open(paths["plot"]) as plot:
-        assert plot.size == (720, 460)
+        assert plot.size == (900, 520)
 
 
 def test_script_with_random_inception(model_dir, dense_dir, reference_dir, tmp_path, capsys, load_script):
@@ -349,6 +359,187 @@ def test_script_with_random_inception(model_dir, dense_dir, reference_dir, tmp_p
             "--random-inception-seed", "0"]
     assert script.cli(argv) == 1
     assert "dense DiT" in capsys.readouterr().err and not bad.exists()
+
+
+# --------------------------------------------------------------------------------------
+# Schedules, FLOP matching and intervals
+# --------------------------------------------------------------------------------------
+
+
+def test_parse_ratios_keeps_a_step_schedules_commas():
+    assert parse_ratios("1.0,step:0.5@t>500,1.0,min,linear:0.5:1.0, cosine:1:0.5") == [
+        1.0, "step:0.5@t>500,1", "min", "linear:0.5:1", "cosine:1:0.5"]
+    assert parse_ratios("step:1@t>700,0.75@t>300,0.5,trained") == ["step:1@t>700,0.75@t>300,0.5", "trained"]
+    assert parse_ratios(["linear:0.50:1.00", 0.75]) == ["linear:0.5:1", 0.75]
+
+
+def test_plan_ratios_with_schedules(randomize):
+    model = _random_model(randomize, "MoH-DiT-Tiny", seed=0)
+    steps = [750, 500, 250, 0]
+    plans = plan_ratios(model, parse_ratios("trained,linear:0.75:0.75,linear:0.5:1.0,min"), steps)
+    # A schedule that runs one top-K at every step is that constant's row.
+    assert [p.label for p in plans] == ["trained/linear:0.75:0.75", "linear:0.5:1", "min"]
+    schedule = plans[1].schedule
+    probe = _random_model(randomize, "MoH-DiT-Tiny", seed=0)
+    for ratio, realised, top_k, flops in zip([0.5, 2 / 3, 5 / 6, 1.0], schedule.realised, schedule.top_k,
+                                             schedule.attention_flops):
+        assert realised == probe.set_head_activation_ratio(ratio) and top_k == probe.top_k_per_layer
+        assert flops == attention_flops(probe)[0]
+    assert plans[1].realised_ratio == sum(schedule.realised) / 4 and plans[1].top_k_per_layer == []
+    assert plans[1].setting == "linear:0.5:1" and plans[0].setting == 0.75
+    assert model.top_k_per_layer == model.trained_top_k  # planning leaves the model alone
+    # FLOP matching: 12, 13, 14, 14 active heads of 24 average 13.25; the closest constant is 13 heads.
+    matched = plan_ratios(model, ["linear:0.5:0.6"], steps, match_flops=True)
+    assert [p.label for p in matched] == ["linear:0.5:0.6", "0.5417"]  # mean ratio 13.25/24 first
+    scheduled, constant = matched
+    assert scheduled.matched is constant and constant.realised_ratio == 13 / 24
+    assert [sum(probe.set_head_activation_ratio(r) * 24 for r in [0.5, 0.5 + 0.1 / 3, 0.6 - 0.1 / 3, 0.6])] == [53]
+    # The schedule's FLOPs sit between the constants of 13 and 14 heads, nearer 13.
+    assert attention_flops(model, constant.top_k_per_layer)[0] < scheduled.attention_flops(model)[0] / 4 \
+        < attention_flops(model, model.layout.top_k_for_ratio(14 / 24))[0]
+    # An equal-FLOP constant that was requested is reused, not added.
+    again = plan_ratios(model, ["trained", "linear:0.5:1"], [500, 0], match_flops=True)
+    assert [p.label for p in again] == ["trained", "linear:0.5:1"] and again[1].matched is again[0]
+    with pytest.raises(ValueError, match=r"'step:0.3@t>400,1' asks for 0\.3000 at step 0 \(timestep 750\), outside "
+                                         r"this model's reachable range \[0\.5000, 1\.0000\]"):
+        plan_ratios(model, ["step:0.3@t>400,1"], steps)
+    with pytest.raises(ValueError, match="needs the sampling timesteps"):
+        plan_ratios(model, ["linear:0.5:1"])
+
+
+@pytest.fixture(scope="module")
+def schedule_sweep(model_dir, reference_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("schedule_sweep") / "out"
+    result = run_sweep(model_dir, ("trained", 1.0, "linear:0.5:1.0", "step:1.0@t>250,0.5"), reference=reference_dir,
+                       extractor=ConvFeatures(), output_dir=out, save_samples=True, match_flops=True, **SWEEP)
+    return result, write_sweep(result, out), out
+
+
+def test_schedule_rows(schedule_sweep, model_dir):
+    result, paths, _ = schedule_sweep
+    assert [r.ratio for r in result.rows] == ["1.0", "trained", "linear:0.5:1", "step:1@t>250,0.5"]
+    trained, linear, step = result.rows[1:]
+    model = MoHDiTTransformer2DModel.from_pretrained(model_dir)
+    # Two DDPM steps (timesteps 500, 0): linear runs 0.5 then 1.0, the step schedule 1.0 then 0.5.
+    assert linear.head_activation_ratios == [0.5, 1.0] and step.head_activation_ratios == [1.0, 0.5]
+    assert linear.schedule == "linear:0.5:1" and trained.schedule is None and linear.top_k_per_layer == []
+    per_step = [attention_flops(model, k)[0] for k in linear.top_k_per_step]
+    assert linear.top_k_per_step == [model.layout.top_k_for_ratio(0.5), [0, 2, 2, 3, 2, 4]]
+    assert linear.attention_flops_per_image == 2 * sum(per_step)  # guided: two calls per step
+    assert linear.mean_attention_flops == sum(per_step) / 2 and linear.realised_ratio == 0.75
+    # 12 and 24 active heads average the trained 18: equal FLOPs, and the trained row is the match.
+    assert linear.attention_flop_ratio == trained.attention_flop_ratio and linear.matched_constant == "trained"
+    assert len({r.fid for r in result.rows}) == 4  # every schedule makes other images
+    assert "linear:0.5:1 vs the constant ratio of closest attention FLOPs, trained (0.7500): FLOPs x1.0000" \
+        in result.table()
+    table = list(csv.DictReader(paths["csv"].open()))
+    assert [r["schedule"] for r in table] == ["", "", "linear:0.5:1", "step:1@t>250,0.5"]
+    assert [r["matched_constant"] for r in table][2:] == ["trained"] * 2
+    assert json.loads(paths["json"].read_text())["rows"][2]["top_k_per_step"] == linear.top_k_per_step
+
+
+def test_schedule_rows_are_the_pipelines_images(schedule_sweep, model_dir):
+    result, _, out = schedule_sweep
+    linear = result.rows[2]
+    assert Path(linear.samples_dir).name == "ratio_0.7500_linear_0.5_1"  # apart from the trained ratio's
+    images = np.stack([np.asarray(PIL.Image.open(png_path(linear.samples_dir, i))) for i in range(4)])
+    pipe = load_pipeline(model_dir)
+    pipe.set_progress_bar_config(disable=True)
+    latents = pipe([0, 1, 2, 3], guidance_scale=1.5, num_inference_steps=2, head_activation_ratio="linear:0.5:1.0",
+                   guidance_channels="dit", seeds=[5, 6, 7, 8], output_type="latent").images
+    np.testing.assert_array_equal(quantize_dit(latents), images)
+    trained = np.stack([np.asarray(PIL.Image.open(png_path(result.rows[1].samples_dir, i))) for i in range(4)])
+    assert not np.array_equal(images, trained)
+    # A folder holding only what a sweep writes, schedule folders included, is a sweep's.
+    from moh_dit.sampling.sweep import is_sweep_folder
+
+    copy = out.parent / "copy"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("sweep.json", ".moh-dit-output.json"))
+    assert is_sweep_folder(copy)
+
+
+def test_intervals(schedule_sweep, model_dir, reference_dir):
+    from moh_dit.sampling.sweep_intervals import PoolFeatureRecorder, bootstrap_fid, fid_of_features, wilson_interval
+
+    result, _, _ = schedule_sweep
+    for row in result.rows:
+        assert row.fid_low < row.fid < row.fid_high and row.fid_bootstrap_bias is not None
+        assert row.class_accuracy_low is None  # no classifier
+    assert result.settings["bootstrap_resamples"] == 200 and "Wilson" in result.settings["interval_note"]
+    # The recorded features are exactly the evaluated ones: FID recomputed from them is the row's.
+    extractor = ConvFeatures()
+    pipe = load_pipeline(model_dir)
+    images = np.stack([np.asarray(PIL.Image.open(png_path(result.rows[0].samples_dir, i))) for i in range(6)])
+    reference = ev.load_reference(reference_dir, extractor, use_cache=False)
+    with PoolFeatureRecorder(extractor) as recorder:
+        measured = ev.evaluate(images, reference, extractor=extractor)
+    assert recorder.features.shape == (6, 12) and len(extractor._forward_hooks) == 0
+    assert fid_of_features(recorder.features, reference) == measured.fid == result.rows[0].fid
+    first = bootstrap_fid(recorder.features, reference, measured.fid, resamples=50, seed=1)
+    assert first == bootstrap_fid(recorder.features, reference, measured.fid, resamples=50, seed=1)
+    assert first != bootstrap_fid(recorder.features, reference, measured.fid, resamples=50, seed=2)
+    assert first.bias > 0  # repeated images alone raise FID; the interval is shifted back by that
+    with pytest.raises(ValueError, match="resamples must be >= 2"):
+        bootstrap_fid(recorder.features, reference, measured.fid, resamples=1)
+    # Wilson: hand values (p = 0.95 at n = 120; the ends).
+    assert wilson_interval(114, 120) == pytest.approx((0.89520, 0.97689), abs=1e-5)
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.27753), abs=1e-5)
+    assert wilson_interval(10, 10) == pytest.approx((0.72247, 1.0), abs=1e-5)
+    assert wilson_interval(5, 10) == pytest.approx((0.23659, 0.76341), abs=1e-5)
+    with pytest.raises(ValueError):
+        wilson_interval(3, 2)
+    without = run_sweep(model_dir, [1.0], reference=reference_dir, extractor=ConvFeatures(), bootstrap=0, **SWEEP)
+    assert without.rows[0].fid_low is None and without.rows[0].fid == result.rows[0].fid
+
+
+def test_plot_of_schedules_and_accuracy(schedule_sweep):
+    """Schedules are markers of their own; the class-accuracy axis is [0, 1], whatever the values."""
+    result, _, _ = schedule_sweep
+    rows = [dataclasses.replace(row, class_accuracy=0.94 + 0.001 * i, class_accuracy_low=0.9, class_accuracy_high=0.97)
+            for i, row in enumerate(result.rows)]
+    figure = plot_fid_vs_ratio(rows, "t", "s", comparable=False)
+    fid_ax, accuracy_ax = figure.axes
+    assert accuracy_ax.get_ylim() == (0.0, 1.02) and fid_ax.get_ylim()[0] == 0.0
+    labels = [c.get_label() for c in fid_ax.containers]
+    assert labels == [CONSTANT_LABEL, "linear:0.5:1", "step:1@t>250,0.5"]
+    markers = {c.get_label(): c.lines[0].get_marker() for c in fid_ax.containers}
+    assert len(set(markers.values())) == 3
+    # Both schedules cost what the trained ratio costs: drawn beside it, in FLOP order of drawing.
+    trained_x = result.rows[1].attention_flop_ratio
+    xs = [c.lines[0].get_xdata()[0] for c in fid_ax.containers[1:]]
+    assert trained_x < xs[0] < xs[1] < trained_x + 0.05
+    assert [t.get_text() for t in fid_ax.get_legend().get_texts()] == ["trained ratio", CONSTANT_LABEL, "linear:0.5:1",
+                                                                       "step:1@t>250,0.5"]
+
+
+def test_model_name_and_title(tmp_path):
+    from moh_dit.sampling.sweep_results import _plot_titles, model_name
+
+    final = tmp_path / "run" / "final"
+    final.mkdir(parents=True)
+    assert model_name(final) == "run/final"
+    (tmp_path / "run" / "train_config.json").write_text(json.dumps({"preset": "MoH-DiT-Tiny/2"}))
+    assert model_name(final) == "MoH-DiT-Tiny/2 (run/final)"
+    (final / "README.md").write_text("---\nlicense: mit\n---\n\n# MoH-DiT demo\n")
+    assert model_name(final) == "MoH-DiT demo (run/final)"
+    assert model_name(tmp_path / "my-model") == "my-model"
+    title, _ = _plot_titles({"model": str(final), "num_samples": 6, "num_inference_steps": 2, "guidance_scale": 1.5})
+    assert title.startswith("MoH-DiT demo (run/final): 6 samples")
+
+
+def test_script_dry_run_with_schedules(model_dir, reference_dir, tmp_path, capsys, load_script):
+    script = load_script("sweep_head_ratio")
+    argv = ["--model", str(model_dir), "--ref", str(reference_dir), "--ratios", "1.0,linear:0.5:0.6",
+            "--num-inference-steps", "4", "--num-samples", "4", "--random-inception-seed", "0", "--no-cache",
+            "--device", "cpu", "--output-dir", str(tmp_path / "out"), "--match-flops", "--dry-run"]
+    report = script.main(script.parse_args(argv))
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.index("{"):]) == json.loads(json.dumps(report))
+    plans = {plan["ratio"]: plan for plan in report["plans"]}
+    assert list(plans) == ["1.0", "linear:0.5:0.6", "0.5417"]
+    assert plans["linear:0.5:0.6"]["matched_constant"] == "0.5417"
+    assert len(plans["linear:0.5:0.6"]["head_activation_ratios"]) == 4 and "schedule" not in plans["1.0"]
+    assert not (tmp_path / "out").exists()
 
 
 # --------------------------------------------------------------------------------------
@@ -396,7 +587,13 @@ REMOVE = None  # a row's value that drops the base command's flag
         ({"--ratios": "0"}, r"head activation ratio 0\.0 .*must be in \(0, 1\]"),
         ({"--ratios": "nan"}, r"head activation ratio nan .*must be in \(0, 1\]"),
         ({"--ratios": "-0.5,1.0"}, r"head activation ratio -0\.5 .*must be in \(0, 1\]"),
-        ({"--ratios": "1.0,half"}, r"ratio 'half' is neither a number nor one of"),
+        ({"--ratios": "1.0,half"}, r"ratio 'half' is neither a number, one of .*, nor a schedule"),
+        ({"--ratios": "1.0,linear:0.5"}, r"schedule 'linear:0\.5': linear takes two ratios"),
+        ({"--ratios": "step:0.5@t>x,1.0"}, r"'0\.5@t>x' is not RATIO@t>TIMESTEP"),
+        ({"--ratios": "cosine:0.5:2"}, r"ratios must be numbers in \(0, 1\]"),
+        ({"--ratios": "1.0,linear:0.3:1"}, r"schedule 'linear:0\.3:1' asks for 0\.3000 at step 0 \(timestep \d+\), "
+                                           r"outside this model's reachable range \[0\.5000, 1\.0000\]"),
+        ({"--bootstrap": "1"}, r"--bootstrap must be 0 \(no FID interval\) or >= 2 resamples, got 1"),
         ({"--ratios": ","}, r"no ratios given"),
         ({"--ratios": "1.0,0.3"}, r"ratio 0\.3 is outside this model's reachable range \[0\.5000, 1\.0000\]"),
         ({"--model": "{dense}", "--ratios": "1.0,0.9"}, r"dense DiT"),

@@ -6,8 +6,15 @@ at several head activation ratios, with the same images (seeds, labels) at every
         --ratios trained,1.0,0.9,0.75,0.6,min --num-samples 10000 --batch-size 64 \\
         --num-inference-steps 250 --guidance-scale 1.5 --output-dir sweeps/xl-90
 
+Head-activation schedules (a ratio per denoising step) go into --ratios beside the constant
+ratios; --match-flops adds, for each schedule, the constant ratio of closest mean attention
+FLOPs, so that the two are compared at (nearly) equal cost:
+
+    moh-dit sweep ... --ratios '1.0,trained,min,linear:0.5:1.0,step:0.5@t>500,1.0' --match-flops
+
 Writes OUTPUT_DIR/sweep.json (rows + settings), OUTPUT_DIR/sweep.csv and
-OUTPUT_DIR/fid_vs_ratio.png, and prints a table (not with --quiet). ``--model``: a pipeline folder or a save_pretrained transformer folder
+OUTPUT_DIR/fid_vs_ratio.png (FID and class accuracy against mean attention FLOPs, with 95%
+intervals: a bootstrap for FID, Wilson for class accuracy), and prints a table (not with --quiet). ``--model``: a pipeline folder or a save_pretrained transformer folder
 (pixel space, or give --vae). ``--ref``: ADM's reference batch or a folder / .npz of real
 images (e.g. the training ImageFolder for the demo). Without the published Inception weights
 the command stops with advice; ``--random-inception-seed N`` explicitly uses a random
@@ -31,14 +38,15 @@ from moh_dit.evaluation import ADM_K, INCEPTION_WEIGHTS_ENV, check_feature_memor
 from moh_dit.utils.output_folders import check_outside_inputs, hold_output_folder
 from moh_dit.sampling.sample_files import check_own_folder
 from moh_dit.diffusion.schedulers import SCHEDULERS
+from moh_dit.models.head_schedule import SCHEDULE_EXAMPLES
 from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SEED_RANGE
 from moh_dit.sampling.sample import DTYPES, SampleSettings, check_model_flags, check_seed_flags, load_pipeline
 from moh_dit.sampling.sweep import (
     ATTENTION_PATHS,
+    BOOTSTRAP_RESAMPLES,
     DEFAULT_RATIOS,
     is_sweep_folder,
     SweepSettings,
-    attention_flops,
     check_device,
     check_plans,
     check_folder_path,
@@ -57,7 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="a MoHDiTPipeline folder or a save_pretrained transformer folder")
     parser.add_argument("--ref", required=True, help="ADM reference batch .npz, or an image folder / .npz of real images")
     parser.add_argument("--ratios", default=",".join(str(r) for r in DEFAULT_RATIOS),
-                        help="comma-separated head activation ratios in (0, 1], 'trained' and 'min' (default: %(default)s)")
+                        help="comma-separated head activation ratios in (0, 1], 'trained', 'min' and schedules "
+                             f"({SCHEDULE_EXAMPLES}; quote the list in a shell; default: %(default)s)")
+    parser.add_argument("--match-flops", action="store_true",
+                        help="for each schedule, also sweep the constant ratio whose attention FLOPs are closest to "
+                             "the schedule's mean (realisable top-K; the remaining FLOP difference is reported)")
+    parser.add_argument("--bootstrap", type=int, default=BOOTSTRAP_RESAMPLES,
+                        help="resamples of the FID bootstrap interval (0: none; default: %(default)s)")
     parser.add_argument("--output-dir", default="head_ratio_sweep",
                         help="folder for sweep.json/csv and fid_vs_ratio.png (default: %(default)s)")
     parser.add_alias("--output", "--output-dir")
@@ -107,6 +121,8 @@ def check_args(args: argparse.Namespace) -> None:
                         ("--num-inference-steps", args.num_inference_steps)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}.")
+    if args.bootstrap != 0 and args.bootstrap < 2:
+        raise ValueError(f"--bootstrap must be 0 (no FID interval) or >= 2 resamples, got {args.bootstrap}.")
     check_seed_flags(args.guidance_scale, args.seed, args.num_samples)
     if args.random_inception_seed is not None and not 0 <= args.random_inception_seed <= SEED_RANGE[1]:
         raise ValueError(f"--random-inception-seed must be in [0, {SEED_RANGE[1]}], got {args.random_inception_seed}.")
@@ -171,13 +187,19 @@ def sample_settings(args: argparse.Namespace) -> SampleSettings:
 def dry_run(args: argparse.Namespace) -> dict:
     pipe = load_pipeline(args.model, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype)
     calls = transformer_calls_per_image(args.num_inference_steps, args.guidance_scale)
-    planned = plan_ratios(pipe.transformer, parse_ratios(args.ratios))
+    timesteps = pipe.sampling_timesteps(args.num_inference_steps, None)
+    planned = plan_ratios(pipe.transformer, parse_ratios(args.ratios), timesteps, match_flops=args.match_flops)
     check_plans(pipe, planned, sample_settings(args))
     plans = []
     for plan in planned:
-        sparse, dense = attention_flops(pipe.transformer, plan.top_k_per_layer)
-        plans.append(dict(ratio=plan.label, realised_ratio=plan.realised_ratio, top_k_per_layer=plan.top_k_per_layer,
-                          attention_flops_per_image=sparse * calls, attention_flop_ratio=sparse / dense))
+        sparse, dense, steps = plan.attention_flops(pipe.transformer)
+        entry = dict(ratio=plan.label, realised_ratio=plan.realised_ratio, top_k_per_layer=plan.top_k_per_layer,
+                     attention_flops_per_image=sparse * calls // steps, attention_flop_ratio=sparse / dense)
+        if plan.schedule is not None:
+            entry.update(schedule=plan.schedule.spec, head_activation_ratios=plan.schedule.realised,
+                         top_k_per_step=plan.schedule.top_k,
+                         matched_constant=None if plan.matched is None else plan.matched.label)
+        plans.append(entry)
     report = {"args": vars(args), "transformer_calls_per_image": calls, "plans": plans}
     # The report is what --dry-run asks for (data for the terminal or a pipe), not a progress
     # message: it is printed whatever the log level.
@@ -196,6 +218,7 @@ def main(args: argparse.Namespace):
         inception_weights=args.inception_weights, random_inception_seed=args.random_inception_seed,
         download=not args.no_download, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype,
         classifier=args.classifier, classifier_weights=args.classifier_weights, progress=info_enabled(),
+        bootstrap=args.bootstrap, match_flops=args.match_flops,
     )
     # One writer per output folder, from the first image to the last file written.
     with hold_output_folder(Path(args.output_dir).expanduser(), "sweep", "--output-dir"):

@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
+import re
 import time
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, Union
 
@@ -43,7 +42,6 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..models import flops
 from ..evaluation.classifier import SampleClassifier, load_classifier
 from ..evaluation import (
     ADM_K,
@@ -68,9 +66,21 @@ from .sample import (
     generate_batch,
     load_pipeline,
     png_path,
-    preview_head_activation,
     run_identity,
     save_png_atomic,
+)
+from .sweep_intervals import BOOTSTRAP_RESAMPLES, PoolFeatureRecorder, bootstrap_fid, wilson_interval
+from .sweep_plans import (
+    DEFAULT_RATIOS,
+    RATIO_KEYWORDS,
+    RatioPlan,
+    _label,
+    attention_flops,
+    is_schedule,
+    layer_attention_flops,
+    parse_ratios,
+    plan_ratios,
+    transformer_calls_per_image,
 )
 from .sweep_results import (
     CSV_COLUMNS,
@@ -81,7 +91,9 @@ from .sweep_results import (
     SweepResult,
     SweepRow,
     figure_png,
+    INTERVAL_NOTE,
     is_sweep_folder,
+    model_name,
     plot_fid_vs_ratio,
     write_sweep,
 )
@@ -121,128 +133,11 @@ __all__ = [
 
 PathLike = Union[str, os.PathLike]
 
-RATIO_KEYWORDS = ("trained", "min")
-DEFAULT_RATIOS: tuple[float | str, ...] = ("trained", 1.0, 0.9, 0.75, 0.6, "min")
 # "auto": leave the model's setting (by default automatic: head-sparse for large layers with
 #         at most half their heads active, on the CPU; dense-masked otherwise);
 # "masked": dense-masked (the release's way: every head computed, unselected ones zeroed);
 # "sparse": head-sparse (unselected routed heads skipped).
 ATTENTION_PATHS = {"auto": None, "masked": False, "sparse": True}
-
-
-# --------------------------------------------------------------------------------------
-# Ratios and FLOPs
-# --------------------------------------------------------------------------------------
-
-
-def parse_ratios(text: str | Sequence[float | str]) -> list[float | str]:
-    """``"trained,1.0,0.75,min"`` (or a sequence) -> ``["trained", 1.0, 0.75, "min"]``."""
-    items = text.split(",") if isinstance(text, str) else list(text)
-    ratios: list[float | str] = []
-    for item in items:
-        if isinstance(item, str):
-            item = item.strip()
-            if not item:
-                continue
-            if item.lower() in RATIO_KEYWORDS:
-                ratios.append(item.lower())
-                continue
-            try:
-                item = float(item)
-            except ValueError:
-                raise ValueError(
-                    f"ratio {item!r} is neither a number nor one of {RATIO_KEYWORDS}; e.g. --ratios trained,1.0,0.75,min"
-                ) from None
-        value = float(item)
-        if not (math.isfinite(value) and 0.0 < value <= 1.0):
-            raise ValueError(f"head activation ratio {value} must be in (0, 1] (--ratios takes e.g. trained,1.0,0.75,min).")
-        ratios.append(value)
-    if not ratios:
-        raise ValueError(f"no ratios given ({text!r}); e.g. --ratios trained,1.0,0.75,min")
-    return ratios
-
-
-def _label(ratio: float | str) -> str:
-    return ratio if isinstance(ratio, str) else str(float(ratio))
-
-
-def layer_attention_flops(tokens: int, hidden: int, heads: int, head_dim: int, active_heads: int) -> tuple[int, int]:
-    """(ideal head-sparse, dense) FLOPs of one attention layer for one image, exact integers:
-    :func:`moh_dit.models.flops.attention_flops` at ``r = active_heads / heads`` and at ``r = 1``
-    (docs/flops.md). Routers, softmax and gating are not counted.
-    """
-    if not 0 <= active_heads <= heads:
-        raise ValueError(f"active_heads={active_heads} must be in [0, heads={heads}].")
-    inner = heads * head_dim
-    sparse = flops.attention_flops(tokens, hidden, inner, Fraction(active_heads, heads))
-    return sparse, flops.attention_flops(tokens, hidden, inner)
-
-
-def attention_flops(transformer: MoHDiTTransformer2DModel, top_k: Sequence[int] | None = None) -> tuple[int, int]:
-    """(ideal head-sparse, dense) attention FLOPs of one forward pass for one image.
-
-    Layer l has ``hs_l + K_l`` active heads of ``h_l`` (every head for a dense DiT); ``top_k``
-    defaults to the model's current per-layer top-K (:func:`moh_dit.models.flops.model_attention_flops`).
-    """
-    return flops.model_attention_flops(transformer, top_k)
-
-
-def transformer_calls_per_image(num_inference_steps: int, guidance_scale: float) -> int:
-    """Forward passes per image: one per step, two with classifier-free guidance (the
-    pipeline runs the unconditional half only when ``guidance_scale > 1``)."""
-    return num_inference_steps * (2 if guidance_scale > 1.0 else 1)
-
-
-@dataclass
-class RatioPlan:
-    """One row to be: the requested ratios that realise the same per-layer top-K."""
-
-    requested: list[str]
-    realised_ratio: float
-    top_k_per_layer: list[int]
-
-    @property
-    def label(self) -> str:
-        return "/".join(self.requested)
-
-
-def plan_ratios(transformer: MoHDiTTransformer2DModel, ratios: Sequence[float | str]) -> list[RatioPlan]:
-    """Validate ``ratios`` and resolve each to its realised ratio and per-layer top-K.
-
-    ``"trained"`` is the trained layout, ``"min"`` the lowest reachable ratio. Requests that
-    realise the same top-K (e.g. ``0.75`` and ``"trained"`` on a -75 model) collapse into one
-    plan. Plans are sorted by realised ratio, highest first. The model is left as it was.
-    Raises ValueError for a ratio outside the reachable range (naming it) and for any ratio
-    other than 1.0 on a dense DiT.
-    """
-    ratios = parse_ratios(ratios)
-    low, high = transformer.head_activation_range
-    plans: dict[tuple[int, ...], RatioPlan] = {}
-    for ratio in ratios:
-        if ratio == "trained":
-            value = transformer.trained_head_activation_ratio
-        elif ratio == "min":
-            value = low
-        else:
-            value = float(ratio)
-        if not transformer.is_moh and abs(value - 1.0) > 1e-9:
-            raise ValueError(
-                f"ratio {_label(ratio)} requested for a dense DiT: without routed heads its head activation ratio "
-                "is always 1.0. Sweep a MoH-DiT model, or pass --ratios 1.0."
-            )
-        if not low - 1e-9 <= value <= high + 1e-9:
-            raise ValueError(
-                f"ratio {_label(ratio)} is outside this model's reachable range [{low:.4f}, {high:.4f}] (shared heads "
-                "are always active); use ratios in that range, or 'min' for the lowest. Nothing was sampled."
-            )
-        realised, top_k = preview_head_activation(transformer, value)
-        key = tuple(top_k)
-        if key in plans:
-            if _label(ratio) not in plans[key].requested:
-                plans[key].requested.append(_label(ratio))
-        else:
-            plans[key] = RatioPlan([_label(ratio)], realised, list(top_k))
-    return sorted(plans.values(), key=lambda plan: -plan.realised_ratio)
 
 
 # --------------------------------------------------------------------------------------
@@ -268,6 +163,8 @@ class SweepSettings:
     (:func:`moh_dit.sampling.sample.load_pipeline`); unused for a pipeline object. ``classifier``:
     a :class:`~moh_dit.evaluation.classifier.SampleClassifier`, a folder from ``train_classifier`` or
     ``"torchvision:NAME"`` (with ``classifier_weights``), to add each ratio's class accuracy.
+    ``bootstrap``: resamples of the FID bootstrap interval (0: none; ``bootstrap_seed`` fixes
+    them). ``match_flops``: add, for each schedule, the constant ratio of closest attention FLOPs.
 
     Checked when made (ValueError naming the field); nothing is loaded or written.
     """
@@ -290,11 +187,17 @@ class SweepSettings:
     dtype: str | torch.dtype = "float32"
     classifier: Any = None
     classifier_weights: PathLike | None = None
+    bootstrap: int = BOOTSTRAP_RESAMPLES
+    bootstrap_seed: int = 0
+    match_flops: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if (self.bootstrap != 0 and self.bootstrap < 2) or self.bootstrap_seed < 0:
+            raise ValueError(f"bootstrap (--bootstrap) must be 0 (no FID interval) or >= 2 resamples, and bootstrap_seed "
+                             f">= 0; got {self.bootstrap} and {self.bootstrap_seed}.")
         if self.attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={self.attention!r}; choose one of {list(ATTENTION_PATHS)}.")
         if self.save_samples and self.output_dir is None:
@@ -328,7 +231,7 @@ class _Clock:
 def _sample_batches(
     pipe: MoHDiTPipeline,
     settings: SampleSettings,
-    realised: float,
+    realised: float,  # the plan's realised ratio (a schedule's mean)
     batch_size: int,
     clock: _Clock,
     save_dir: Path | None,
@@ -386,7 +289,7 @@ def check_plans(pipe: MoHDiTPipeline, plans: Sequence[RatioPlan], settings: Samp
             f"{train_steps} diffusion steps the model was trained with; use 1..{train_steps}."
         )
     for plan in plans:
-        check_settings(pipe, dataclasses.replace(settings, head_activation_ratio=plan.realised_ratio))
+        check_settings(pipe, dataclasses.replace(settings, head_activation_ratio=plan.setting))
 
 
 def check_device(device: torch.device | str) -> torch.device:
@@ -414,8 +317,13 @@ def check_folder_path(path: PathLike, what: str) -> None:
     _refuse_file_path(Path(path).expanduser(), what)
 
 
-def _ratio_dir(output_dir: Path, realised: float) -> Path:
-    return output_dir / f"ratio_{realised:.4f}"
+def _ratio_dir(output_dir: Path, plan: RatioPlan) -> Path:
+    """``ratio_0.7500`` for a constant ratio; a schedule's folder adds its spec (its mean ratio
+    may equal a constant's): ``ratio_0.7600_linear_0.5_1``."""
+    name = f"ratio_{plan.realised_ratio:.4f}"
+    if plan.schedule is not None:
+        name += "_" + re.sub(r"[^A-Za-z0-9.]+", "_", plan.schedule.spec).strip("_")
+    return output_dir / name
 
 
 def _load_model(model: MoHDiTPipeline | PathLike, settings: SweepSettings) -> tuple[MoHDiTPipeline, str]:
@@ -431,7 +339,7 @@ def _refuse_earlier_samples(plans: Sequence[RatioPlan], settings: SweepSettings)
     if not settings.save_samples:
         return
     for plan in plans:
-        folder = _ratio_dir(Path(settings.output_dir), plan.realised_ratio) / "samples"
+        folder = _ratio_dir(Path(settings.output_dir), plan) / "samples"
         if folder.is_dir() and any(folder.glob("*.png")):
             raise ValueError(f"{folder} already holds samples; use a new --output-dir or delete it.")
 
@@ -475,34 +383,62 @@ def _attention_path(transformer: MoHDiTTransformer2DModel, attention: str) -> It
 def _evaluate_ratio(run: _Run, plan: RatioPlan) -> tuple[SweepRow, EvaluationResult]:
     """Sample the run's images at ``plan``'s ratio, streamed into the evaluation; the table row
     and the evaluation result."""
-    images = dataclasses.replace(run.images, head_activation_ratio=plan.realised_ratio)
+    images = dataclasses.replace(run.images, head_activation_ratio=plan.setting)
     settings = run.settings
-    save_dir = _ratio_dir(Path(settings.output_dir), plan.realised_ratio) if settings.save_samples else None
+    save_dir = _ratio_dir(Path(settings.output_dir), plan) if settings.save_samples else None
     if settings.warm_up:
         _warm_up(run.pipe, images, settings.batch_size)
     clock = _Clock()
     began = time.perf_counter()
     with tqdm(total=images.num_samples, disable=not settings.progress, unit="img",
-              desc=f"sampling + evaluating ratio {plan.label} ({plan.realised_ratio:.4f})") as bar:
+              desc=f"sampling + evaluating ratio {plan.label} ({plan.realised_ratio:.4f})") as bar, \
+            PoolFeatureRecorder(run.extractor) as recorder:
         result = evaluate(
             _sample_batches(run.pipe, images, plan.realised_ratio, settings.batch_size, clock, save_dir, bar),
             run.reference, extractor=run.extractor, device=settings.device, batch_size=settings.eval_batch_size,
             **_class_accuracy_arguments(run),
         )
     total = time.perf_counter() - began
-    sparse, dense = attention_flops(run.pipe.transformer, plan.top_k_per_layer)
+    sparse, dense, steps = plan.attention_flops(run.pipe.transformer)  # summed over `steps` steps
     row = SweepRow(
         ratio=plan.label, requested=list(plan.requested), realised_ratio=plan.realised_ratio,
         top_k_per_layer=list(plan.top_k_per_layer),
         fid=result.fid, sfid=result.sfid, inception_score=result.inception_score,
         precision=result.precision, recall=result.recall,
-        attention_flops_per_image=sparse * run.calls, dense_attention_flops_per_image=dense * run.calls,
+        # run.calls forward passes per image, spread evenly over the steps
+        attention_flops_per_image=sparse * run.calls // steps, dense_attention_flops_per_image=dense * run.calls // steps,
         attention_flop_ratio=sparse / dense,
         sampling_seconds=clock.seconds, evaluation_seconds=total - clock.seconds,
         num_samples=result.num_samples, samples_dir=None if save_dir is None else str(save_dir),
         class_accuracy=result.class_accuracy, class_accuracy_per_class=result.class_accuracy_per_class,
+        mean_attention_flops=sparse / steps, **_schedule_fields(plan), **_intervals(run, result, recorder),
     )
     return row, result
+
+
+def _schedule_fields(plan: RatioPlan) -> dict[str, Any]:
+    """A schedule row's spec, per-step realised ratios and top-K, and its FLOP-matched constant."""
+    if plan.schedule is None:
+        return {}
+    return dict(schedule=plan.schedule.spec, head_activation_ratios=list(plan.schedule.realised),
+                top_k_per_step=[list(k) for k in plan.schedule.top_k],
+                matched_constant=None if plan.matched is None else plan.matched.label)
+
+
+def _intervals(run: _Run, result: EvaluationResult, recorder: PoolFeatureRecorder) -> dict[str, Any]:
+    """The row's 95% intervals: FID by bootstrap over the recorded features, class accuracy by Wilson."""
+    out: dict[str, Any] = {}
+    if result.class_accuracy is not None:
+        correct = round(result.class_accuracy * result.num_samples)
+        out["class_accuracy_low"], out["class_accuracy_high"] = wilson_interval(correct, result.num_samples)
+    if run.settings.bootstrap and result.fid is not None:
+        features = recorder.features
+        if len(features) != result.num_samples:
+            raise RuntimeError(f"recorded {len(features)} feature rows for {result.num_samples} samples; the FID "
+                               "bootstrap needs exactly the evaluated images' features.")
+        interval = bootstrap_fid(features, run.reference, result.fid, run.settings.bootstrap, run.settings.bootstrap_seed)
+        out.update(fid_low=interval.low, fid_high=interval.high, fid_bootstrap_bias=interval.bias)
+    return out
 
 
 def _class_accuracy_arguments(run: _Run) -> dict[str, Any]:
@@ -539,7 +475,9 @@ def _assemble_result(
     cfg = transformer.config
     return SweepResult(rows=rows, settings={
         **identity_settings,
+        "model_name": model_name(model_label),
         "ratios": [_label(r) for r in parse_ratios(ratios)],
+        "match_flops": settings.match_flops,
         "batch_size": settings.batch_size,
         "num_samples": images.num_samples,
         "device": str(settings.device),
@@ -563,6 +501,9 @@ def _assemble_result(
         "extractor": run.extractor_identity,
         "inception_weights": dict(getattr(run.extractor, "weights_info", {}) or {}),
         "comparable_to_published": all(result.comparable_to_published for result in results),
+        "bootstrap_resamples": settings.bootstrap,
+        "bootstrap_seed": settings.bootstrap_seed,
+        "interval_note": INTERVAL_NOTE,
         "notes": notes,
         "torch": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -582,7 +523,7 @@ def sweep_head_activation(
 
     ``model``: a :class:`MoHDiTPipeline` (moved to ``settings.device``) or a transformer /
     pipeline folder (loaded as ``settings`` says). ``ratios``: numbers in (0, 1],
-    ``"trained"`` and ``"min"`` (:func:`plan_ratios`). ``reference``: an ADM reference batch,
+    ``"trained"``, ``"min"`` and head-activation schedules' specs (:func:`plan_ratios`). ``reference``: an ADM reference batch,
     an image folder / ``.npz``, or :class:`ReferenceStatistics`; its statistics are computed
     once. ``images``: what decides image ``i`` (its ``head_activation_ratio`` is each plan's;
     ``num_samples`` at least ``ADM_K + 1``). ``extractor``: a feature extractor to use instead
@@ -603,7 +544,9 @@ def sweep_head_activation(
     if not isinstance(reference, ReferenceStatistics) and not Path(reference).exists():
         raise FileNotFoundError(f"reference not found: {reference}")
     pipe, model_label = _load_model(model, settings)
-    plans = plan_ratios(pipe.transformer, ratios)
+    timesteps = pipe.sampling_timesteps(images.num_inference_steps, None) if any(
+        is_schedule(r) for r in parse_ratios(ratios)) else None
+    plans = plan_ratios(pipe.transformer, ratios, timesteps, match_flops=settings.match_flops)
     check_plans(pipe, plans, images)
     _refuse_earlier_samples(plans, settings)
     classifier = _resolve_classifier(settings)
@@ -666,6 +609,9 @@ def run_sweep(
     progress: bool = True,
     classifier: Any = None,
     classifier_weights: PathLike | None = None,
+    bootstrap: int = BOOTSTRAP_RESAMPLES,
+    bootstrap_seed: int = 0,
+    match_flops: bool = False,
     log: Callable[[str], None] | None = logger.info,
 ) -> SweepResult:
     """:func:`sweep_head_activation` with its settings as keywords.
@@ -682,6 +628,7 @@ def run_sweep(
         output_dir=output_dir, save_samples=save_samples, cache_dir=cache_dir, use_cache=use_cache, warm_up=warm_up,
         progress=progress, inception_weights=inception_weights, random_inception_seed=random_inception_seed,
         download=download, vae=vae, scheduler=scheduler, dtype=dtype, classifier=classifier,
-        classifier_weights=classifier_weights,
+        classifier_weights=classifier_weights, bootstrap=bootstrap, bootstrap_seed=bootstrap_seed,
+        match_flops=match_flops,
     )
     return sweep_head_activation(model, ratios, reference, images, settings, extractor=extractor, log=log)
