@@ -1024,7 +1024,9 @@ def test_sample_grids_and_scalars_go_to_the_tracker(tmp_path, data, monkeypatch)
     train(config(tmp_path, data, report_to="tensorboard", max_steps=2, log_every=1, sample_every=2, sample_steps=2))
     assert recording.config["max_steps"] == 2 and recording.config["report_to"] == "tensorboard"
     assert [step for step, _ in recording.scalars] == [1, 2] and "loss" in recording.scalars[0][1]
-    [(step, images)] = recording.images
+    # the grid, then (a MoH model) its head-usage figure, at the sample step
+    assert [(step, list(images)) for step, images in recording.images] == [(2, ["samples"]), (2, ["head_usage"])]
+    step, images = recording.images[0]
     grid = images["samples"]
     assert step == 2 and grid.shape[:2] == (1, 3) and 0 <= grid.min() and grid.max() <= 1
     # the grid of the PNG: the same images, classes 0-2 in a row, four seeds

@@ -194,3 +194,92 @@ def test_the_resume_without_a_preset_is_exact_and_a_dense_layout_refuses_router_
     # a resume into a folder without a run needs a preset to start one
     refuses("train", cli_args(tmp_path / "empty", data, "--resume", "latest"),
             r"holds no run to take the model from; give --preset")
+
+
+# ------------------------------------------------------------------ the head-usage figure at sample steps
+class _RecordingTracker:
+    """An accelerate tracker (GeneralTracker's interface) that keeps the images it is given."""
+
+    name, requires_logging_directory, main_process_only = "recording", False, True
+
+    def __init__(self):
+        self.images = []
+
+    @property
+    def tracker(self):
+        return self
+
+    def start(self):
+        pass
+
+    def store_init_configuration(self, values):
+        pass
+
+    def log(self, values, step=None, **kwargs):
+        pass
+
+    def log_images(self, values, step=None, **kwargs):
+        self.images.append((step, {k: v.clone() for k, v in values.items()}))
+
+    def finish(self):
+        pass
+
+
+def _recording(monkeypatch):
+    from accelerate.tracking import GeneralTracker
+
+    import moh_dit.evaluation.head_usage as head_usage
+    import moh_dit.training.tracking as tracking
+
+    recording = type("Recording", (_RecordingTracker, GeneralTracker), {})()
+    monkeypatch.setattr(tracking, "available_trackers", lambda: {"tensorboard"})
+    monkeypatch.setattr(trainer, "log_with", lambda report_to: [recording])
+    plotted, real_plot = [], head_usage.plot_head_usage
+    monkeypatch.setattr(head_usage, "plot_head_usage", lambda usage, *a, **k: plotted.append(usage) or real_plot(
+        usage, *a, **k))
+    return recording, plotted
+
+
+def test_sample_steps_log_the_head_usage_figure_beside_the_grid(tmp_path, data, monkeypatch):
+    """At each sample step of a MoH run: samples/head_usage_step-N.png and the same image in the
+    trackers (``head_usage``), drawn from the usage logged last (here at that step, every 2 steps
+    of 4), with the model's shared heads and top-K; a dense run has no such figure."""
+    recording, plotted = _recording(monkeypatch)
+    run = tmp_path / "run"
+    train(config(run, data, report_to="tensorboard", max_steps=4, log_every=2, sample_every=2, sample_steps=2,
+                 checkpoint_every=4))
+    logged = [json.loads(line) for line in (run / "head_usage.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in logged] == [2, 4] and len(plotted) == 2
+    for entry, usage in zip(logged, plotted):
+        assert usage.overall == entry["usage"] and usage.settings["step"] == entry["step"]
+        assert usage.shared_heads == PRESETS["MoH-DiT-Tiny"]["num_shared_heads"]
+        assert usage.top_k == PRESETS["MoH-DiT-Tiny"]["top_k"]
+    figures = [(step, images["head_usage"]) for step, images in recording.images if "head_usage" in images]
+    assert [step for step, _ in figures] == [2, 4]
+    assert sorted(p.name for p in (run / "samples").iterdir()) == [
+        "head_usage_step-0000002.png", "head_usage_step-0000004.png", "step-0000002.png", "step-0000004.png"]
+    for step, image in figures:
+        png = np.asarray(Image.open(run / "samples" / f"head_usage_step-{step:07d}.png").convert("RGB"))
+        assert image.shape == (1, 3, *png.shape[:2]) and 0 <= image.min() and image.max() <= 1
+        assert np.abs(png.astype(np.float32) / 255 - image[0].permute(1, 2, 0).numpy()).max() < 1 / 255 + 1e-6
+        assert image.std() > 0.05  # a drawn figure, not a blank canvas
+
+    recording.images.clear()
+    train(config(tmp_path / "dense", data, preset="DiT-Tiny", report_to="tensorboard", max_steps=2, log_every=2,
+                 sample_every=2, sample_steps=2))
+    assert [list(images) for _, images in recording.images] == [["samples"]]
+    assert [p.name for p in (tmp_path / "dense" / "samples").iterdir()] == ["step-0000002.png"]
+
+
+def test_a_resumed_run_draws_the_usage_it_logged_last_until_it_logs_again(tmp_path, data, monkeypatch):
+    """A resume whose first sample step comes before its first log step draws the last line of
+    head_usage.jsonl (the checkpoint's step), not nothing."""
+    recording, plotted = _recording(monkeypatch)
+    run = tmp_path / "run"
+    train(config(run, data, report_to="tensorboard", max_steps=2, log_every=2, checkpoint_every=2))
+    train(config(run, data, report_to="tensorboard", max_steps=4, log_every=4, sample_every=3, sample_steps=2,
+                 checkpoint_every=2, resume="latest"))
+    last = json.loads((run / "head_usage.jsonl").read_text().splitlines()[0])
+    assert last["step"] == 2 and len(plotted) == 1 and plotted[0].settings["step"] == 2
+    assert plotted[0].overall == last["usage"]
+    assert (run / "samples" / "head_usage_step-0000003.png").is_file()

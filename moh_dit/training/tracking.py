@@ -3,14 +3,20 @@
 A tracker that is asked for but not installed stops the run before any work, naming what to
 install: accelerate alone would warn once and train with no tracking at all. Without
 ``--report-to`` the run uses TensorBoard when it is installed (the default of diffusers'
-example scripts) and no tracker otherwise, and says which.
+example scripts) and no tracker otherwise, and says which. Images (the sample grids, and a MoH
+model's head-usage figure at the same steps) go to the trackers that take them.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+
+from ..utils.io import write_bytes_atomic
 
 # The trackers --report-to offers, each with what installs it.
 INSTALL = {"tensorboard": 'pip install "moh-dit[tensorboard]"', "wandb": "pip install wandb"}
@@ -52,3 +58,36 @@ def log_images(accelerator, name: str, images: torch.Tensor, step: int) -> None:
     for tracker in accelerator.trackers:
         if hasattr(tracker, "log_images"):
             tracker.log_images({name: images}, step=step)
+
+
+def last_logged_usage(log: Path) -> tuple[int, list[list[float]]] | None:
+    """(step, per-layer usage) of the last complete line of a run's ``head_usage.jsonl``, or None
+    when there is none: what a resumed run shows until it logs again."""
+    if not log.is_file():
+        return None
+    for line in reversed(log.read_text(encoding="utf-8").splitlines()):
+        try:
+            entry = json.loads(line)
+            return int(entry["step"]), entry["usage"]
+        except (ValueError, KeyError, TypeError):
+            continue  # a half-written line
+    return None
+
+
+def save_head_usage_figure(accelerator, logged: tuple[int, list[list[float]]], shared_heads: list[int],
+                           top_k: list[int], step: int, path: Path) -> None:
+    """The head-usage figure (:func:`~moh_dit.evaluation.head_usage.plot_head_usage`: layers as
+    rows, heads as columns, shared heads hatched) of ``logged``, the usage the run logged last
+    (its step, per layer the fraction of tokens that used each head), as the PNG ``path`` and to
+    every tracker that takes images (``head_usage``) at ``step``."""
+    from ..evaluation.head_usage import TRAINING_STEP, HeadUsage, figure_png, plot_head_usage
+
+    logged_step, usage = logged
+    figure = plot_head_usage(
+        HeadUsage(overall=usage, per_class={}, per_timestep=[], shared_heads=shared_heads, top_k=top_k,
+                  ranges_of=TRAINING_STEP, settings={"step": logged_step}),
+        f"head usage at step {logged_step}", subtitle="fraction of tokens that used each head, in the batch of the "
+        f"last logged step ({logged_step})")
+    write_bytes_atomic(path, figure_png(figure))
+    rgb = np.ascontiguousarray(np.asarray(figure.canvas.buffer_rgba())[..., :3])  # (H, W, 3), drawn by figure_png
+    log_images(accelerator, "head_usage", torch.from_numpy(rgb).permute(2, 0, 1)[None].float() / 255, step)

@@ -4,7 +4,7 @@
 decide about the run folder (busy? whose run? where to resume from?), build the data, the
 latent space and the model, claim the folder, build the EMA, optimiser and schedule. Resume:
 load the checkpoint, then record the run. Loop: one optimiser step per batch, then its log,
-sample grid and checkpoint. Finish: export ``OUT/final``. Everything that can refuse the run
+sample grid (with a MoH model's head-usage figure) and checkpoint. Finish: export ``OUT/final``. Everything that can refuse the run
 happens before anything is written; the run folder's decisions are the main process's,
 handed to all (:func:`~.checkpoints.on_main`).
 
@@ -45,7 +45,7 @@ from .config import TrainConfig, TrainingDivergedError, check_batch_memory, warn
 from .run_folder import (FolderLock, Plan, claim_folder, normalized, probe_and_plan, record_run, recorded_model,
                          run_identity, with_run_preset)
 from .schedules import build_lr_scheduler, ema_decay_at
-from .tracking import log_images, log_with, resolve_report_to
+from .tracking import last_logged_usage, log_images, log_with, resolve_report_to, save_head_usage_figure
 
 logger = get_logger(__name__)
 
@@ -110,6 +110,10 @@ def train(cfg: TrainConfig) -> Path:
                 log.write(step)
             if sample_now and accelerator.is_main_process:
                 _save_sample_grid(cfg, parts, diffusion, space, len(data.classes))
+                if log.latest_usage is not None:  # beside the grid: samples/head_usage_step-N.png
+                    save_head_usage_figure(accelerator, log.latest_usage, parts.model.layer_shared,
+                                           parts.model.trained_top_k, state.step, Path(cfg.output_dir) / "samples"
+                                           / f"head_usage_step-{state.step:07d}.png")
             if checkpoint_now:
                 last_checkpoint = save_checkpoint(parts, cfg, state.step, run)
         log.close()
@@ -521,7 +525,11 @@ class _TrainLog:
     def __init__(self, cfg: TrainConfig, parts: Parts, flops_per_image: int | None, peak_flops: float | None):
         self.cfg, self.parts, self.flops_per_image, self.peak_flops = cfg, parts, flops_per_image, peak_flops
         self.progress = None
+        # (step, per-layer usage) logged last, for the head-usage figure at sample steps (main process)
+        self.latest_usage = None
         if parts.accelerator.is_main_process:
+            if parts.model.is_moh:
+                self.latest_usage = last_logged_usage(Path(cfg.output_dir) / "head_usage.jsonl")
             from tqdm.auto import tqdm
 
             self.progress = tqdm(total=cfg.max_steps, initial=parts.state.step, desc="train", dynamic_ncols=True,
@@ -575,8 +583,9 @@ class _TrainLog:
                 # coefficient of variation of routed-head usage: 0 = perfectly balanced
                 logs[f"head_balance_cv/layer_{i:02d}"] = (routed.std() / routed.mean().clamp_min(1e-8)).item()
         if self.parts.accelerator.is_main_process:
+            self.latest_usage = (self.parts.state.step, [u.tolist() for u in head_usage])
             _append_line(Path(self.cfg.output_dir) / "head_usage.jsonl",
-                         {"step": self.parts.state.step, "usage": [u.tolist() for u in head_usage]})
+                         {"step": self.latest_usage[0], "usage": self.latest_usage[1]})
 
     def close(self) -> None:
         if self.progress is not None:
