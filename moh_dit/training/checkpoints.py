@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..data.datasets import ResumableSampler
-from ..utils.io import naming_path, set_ordinary_permissions, sha256_file, write_json_atomic
+from ..utils.io import naming_write_errors, set_ordinary_permissions, sha256_file, write_json_atomic
 from .config import CheckpointIntegrityError, RunFolderBusyError, TrainConfig, TrainingDivergedError, warn
 
 CHECKPOINT_PREFIX = "step-"
@@ -320,33 +320,6 @@ def _state_dict_for_file(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
 
 
-def _as_os_error(error: BaseException, path: Path) -> OSError | None:
-    """``error`` as an OSError that names ``path``: an OSError without a path, or safetensors'
-    SafetensorError (not an OSError) reporting an operating-system error such as a full disk
-    ("... (os error 28)"); None for any other error."""
-    if isinstance(error, OSError):
-        return naming_path(error, path)
-    if type(error).__name__ == "SafetensorError":
-        match = re.search(r"os error (\d+)|code: (\d+)", str(error))
-        if match:
-            code = int(match.group(1) or match.group(2))
-            return OSError(code, f"{os.strerror(code)} while writing {path}", str(path))
-    return None
-
-
-@contextlib.contextmanager
-def writing(path: Path) -> Iterator[None]:
-    """Let a failed write of ``path`` (a full disk, a quota, a read-only file system) raise an
-    OSError of its errno that names ``path``, whichever library was writing."""
-    try:
-        yield
-    except Exception as error:
-        named = _as_os_error(error, path)
-        if named is None or named is error:
-            raise
-        raise named from error
-
-
 def _write_checkpoint_files(parts: Parts, folder: Path) -> None:
     """Every process writes its RNG states; the main process writes the rest."""
     acc = parts.accelerator
@@ -361,7 +334,7 @@ def _write_checkpoint_files(parts: Parts, folder: Path) -> None:
         if acc.scaler is not None:
             writers.append((SCALER_FILE, lambda p: _save_json_tree(acc.scaler.state_dict(), p)))
     for name, write in writers:
-        with writing(folder / name):
+        with naming_write_errors(folder / name):
             write(folder / name)
 
 
@@ -441,7 +414,7 @@ def save_checkpoint(parts: Parts, cfg: TrainConfig, step: int, run: dict[str, An
         files = {}
         for p in sorted(tmp.iterdir()):
             if p.is_file():
-                with writing(p):  # the flush to disk is where a full disk may show
+                with naming_write_errors(p):  # the flush to disk is where a full disk may show
                     files[p.name] = {"size": p.stat().st_size, "sha256": sha256_file(p, fsync=True)}
         write_json_atomic(tmp / COMPLETE_MARKER, {
             "format": CHECKPOINT_FORMAT, "step": step, "preset": cfg.preset,

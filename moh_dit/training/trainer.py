@@ -35,12 +35,12 @@ from ..data.latents import LatentDataset, load_vae, vae_downsample_factor
 from ..diffusion.gaussian_diffusion import create_diffusion
 from ..models.presets import get_preset, resolve_layer_layout
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
-from ..utils.io import atomic_write, publish_folder
+from ..utils.io import atomic_write, naming_write_errors, publish_folder
 from ..utils.output_folders import write_output_marker
 from ..utils.logging import get_logger, info_enabled
 from ..utils.runtime import set_tf32
 from ..utils.speed import compile_model, peak_flops, training_flops_per_image
-from .checkpoints import Parts, TrainState, everywhere, load_checkpoint, on_main, save_checkpoint, writing
+from .checkpoints import Parts, TrainState, everywhere, load_checkpoint, on_main, save_checkpoint
 from .config import TrainConfig, TrainingDivergedError, check_batch_memory, warn
 from .run_folder import (FolderLock, Plan, claim_folder, normalized, probe_and_plan, record_run, recorded_model,
                          run_identity, with_run_preset)
@@ -594,7 +594,7 @@ class _TrainLog:
 
 def _append_line(path: Path, entry: dict) -> None:
     """One JSON line at the end of a log; a failed write (a full disk) names the log."""
-    with writing(path), open(path, "a") as f:
+    with naming_write_errors(path), open(path, "a") as f:
         f.write(json.dumps(entry) + "\n")
 
 
@@ -669,7 +669,7 @@ def _export_final(cfg: TrainConfig, parts: Parts, class_to_idx: dict[str, int]) 
         # Replaces only this run's previous export: a refused start protects any other.
         try:
             with publish_folder(final, replace=True) as tmp:
-                with writing(final):  # a full disk names final/, not the temporary folder
+                with naming_write_errors(final):  # a full disk names final/, not the temporary folder
                     parts.ema.save_pretrained(tmp, safe_serialization=True)
                     write_class_index(class_to_idx, tmp / "class_index.json")
                     write_output_marker(tmp, "train")

@@ -22,6 +22,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -29,7 +30,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-__all__ = ["FileLockedError", "LinkRefusedError", "atomic_write", "current_umask", "lock_file", "publish_folder", "read_lock_info",
+__all__ = ["FileLockedError", "LinkRefusedError", "atomic_write", "naming_path", "naming_write_errors", "current_umask", "lock_file", "publish_folder", "read_lock_info",
            "set_ordinary_permissions", "sha256_file", "write_bytes_atomic", "write_json_atomic", "write_lines_atomic",
            "write_lock_info"]
 
@@ -86,6 +87,41 @@ def naming_path(error: OSError, path: str | os.PathLike) -> OSError:
     if error.filename is not None or error.errno is None:
         return error
     return type(error)(error.errno, f"{os.strerror(error.errno)} while writing {path}", str(path))
+
+
+# The kinds of Rust's std::io::ErrorKind that safetensors prints when it has no errno.
+_IO_KINDS = {"StorageFull": errno.ENOSPC, "QuotaExceeded": errno.EDQUOT, "FilesystemQuotaExceeded": errno.EDQUOT,
+             "ReadOnlyFilesystem": errno.EROFS, "PermissionDenied": errno.EACCES}
+
+
+def _errno_of(text: str) -> int | None:
+    """The errno a third-party error message reports (``os error 28``, ``code: 28``, ``StorageFull``)."""
+    found = re.search(r"(?:os error|code:)\s*(\d+)", text)
+    if found:
+        return int(found.group(1))
+    for kind, code in _IO_KINDS.items():
+        if kind in text:
+            return code
+    return errno.ENOSPC if "No space left" in text else None
+
+
+@contextlib.contextmanager
+def naming_write_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Let a failed write in the block (a full disk, a quota, a read-only file system) raise an
+    OSError of its errno that names ``path``, whichever library was writing: an OSError without
+    a file name, and safetensors' ``SafetensorError`` (not an OSError) caused by one."""
+    try:
+        yield
+    except OSError as error:
+        named = naming_path(error, path)
+        if named is error:
+            raise
+        raise named from error
+    except Exception as error:  # noqa: BLE001 - only safetensors' I/O errors become OSErrors
+        code = _errno_of(str(error)) if type(error).__name__ == "SafetensorError" else None
+        if code is None:
+            raise
+        raise OSError(code, f"{os.strerror(code)} while writing {path}", str(path)) from error
 
 
 @contextlib.contextmanager
