@@ -159,7 +159,7 @@ DEMO_BAD_FLAGS = [
     (["--sweep-samples", "3"], "--sweep-samples must be >= 4, got 3"),
     (["--reference-per-class", "0"], "--reference-per-class must be >= 1, got 0"),
     (["--ratios", "1.0,1.5"], r"ratio 1.5 must be in \(0, 1\]"),
-    (["--ratios", "1.0,half"], "ratio 'half' is neither a number nor one of"),
+    (["--ratios", "1.0,half"], "ratio 'half' is neither a number, one of"),
     (["--ratios", " , "], "no ratios given"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--inception-weights", "{tmp}/none.pth"], "--inception-weights .*none.pth: no such file"),
