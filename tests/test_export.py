@@ -85,6 +85,14 @@ HEAD_USAGE = HeadUsage(overall=[[1.0] * 4, [1.0, 1.0, 0.2, 0.8], [1.0, 0.5, 0.25
                        top_k=[0, 1, 1, 2, 1, 2])
 
 
+def test_a_sweeps_head_usage_goes_into_the_card_without_the_flag(source, results, exported, tmp_path):
+    root, _ = source  # `exported` wrote the sweep folder
+    write_head_usage(HEAD_USAGE, results / "sweep" / "head_usage", "head usage")
+    out = export_pipeline(root / "run", tmp_path / "export", vae=str(root / "vae"), sweep=results / "sweep",
+                          progress=False)
+    assert (out / "head_usage.png").is_file() and "## Head usage" in (out / "README.md").read_text()
+
+
 def test_the_head_usage_figure_travels_with_the_export(exported, results):
     assert (exported / "head_usage.png").read_bytes() == (results / "usage" / "head_usage.png").read_bytes()
     card = (exported / "README.md").read_text()

@@ -353,6 +353,16 @@ def test_script_with_random_inception(model_dir, dense_dir, reference_dir, tmp_p
     assert data["settings"]["comparable_to_published"] is False
     assert "RANDOM" in data["settings"]["extractor"] and data["settings"]["transformer_calls_per_image"] == 1
     assert (out / "sweep.csv").is_file() and (out / "fid_vs_ratio.png").is_file()
+    # The head-usage figure at the trained ratio: what measure_head_usage gives for the same
+    # model, classes, steps and seed (2 images per class by default).
+    from moh_dit.evaluation.head_usage import measure_head_usage
+
+    usage = json.loads((out / "head_usage" / "head_usage.json").read_text())
+    direct = measure_head_usage(load_pipeline(model_dir), images_per_class=2, num_inference_steps=1, seed=0,
+                                progress=False)
+    assert np.allclose(np.array(usage["overall"]), np.array(direct.overall))
+    assert usage["settings"]["images_per_class"] == 2
+    assert (out / "head_usage" / "head_usage.png").is_file()
     # A dense model with a MoH ratio: a one-line error, exit status 1, nothing written.
     bad = tmp_path / "bad"
     argv = ["--model", str(dense_dir), "--ref", str(reference_dir), "--ratios", "1.0,0.9", "--output", str(bad),

@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sweep", default=None, help="a head-ratio sweep's output folder (sweep.json) for the card")
     parser.add_argument("--metrics", default=None, help="moh-dit evaluate's JSON result for the card")
     parser.add_argument("--head-usage", default=None,
-                        help="moh-dit plot-head-usage's output folder: its figure and per-layer loads go into the card")
+                        help="moh-dit plot-head-usage's output folder: its figure and per-layer loads go into the card "
+                             "(default: --sweep's head_usage/, when the sweep drew one)")
     parser.add_argument("--license", default="apache-2.0",
                         help="Hub license id for the card (default apache-2.0; converted DiT weights are cc-by-nc-4.0)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in --output-dir")

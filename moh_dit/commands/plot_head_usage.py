@@ -19,6 +19,7 @@ import math
 import sys
 from pathlib import Path
 
+from moh_dit.evaluation.head_usage import MAX_DEFAULT_CLASSES, default_classes
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.utils.logging import get_logger
 
@@ -29,7 +30,6 @@ _SAMPLING_DEFAULTS = {"classes": None, "images_per_class": 4, "num_inference_ste
                       "head_activation_ratio": None, "seed": 0, "timestep_bins": 4, "vae": None, "device": None,
                       "dtype": "float32"}
 _SEED_MAX = 0xFFFF_FFFF_FFFF_FFFF  # torch.Generator.manual_seed's largest seed
-_MAX_DEFAULT_CLASSES = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-dir", required=True, help="folder to write head_usage.png and head_usage.json to")
     p.add_alias("--output", "--output-dir")
     p.add_argument("--classes", nargs="+", help="class ids or names to sample (default: every class of a model with "
-                   f"up to {_MAX_DEFAULT_CLASSES}, else 8 spread over the ids)")
+                   f"up to {MAX_DEFAULT_CLASSES}, else 8 spread over the ids)")
     p.add_argument("--images-per-class", type=int, help="images sampled per class (default 4)")
     p.add_argument("--num-inference-steps", type=int, help="sampling steps (default 50)")
     p.add_argument("--guidance-scale", type=float, help="classifier-free guidance (default 1: none); above 1 the "
@@ -109,15 +109,9 @@ def _check_paths(args: argparse.Namespace) -> tuple[Path | None, Path]:
     return model, out
 
 
-def _default_classes(num_classes: int) -> list[int]:
-    if num_classes <= _MAX_DEFAULT_CLASSES:
-        return list(range(num_classes))
-    return sorted({round(i * (num_classes - 1) / 7) for i in range(8)})
-
-
 def _class_arguments(values: list[str] | None, num_classes: int) -> list[int | str]:
     if values is None:
-        return _default_classes(num_classes)
+        return default_classes(num_classes)
     return [int(v) if v.strip().isdigit() else v for v in values]
 
 

@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ratios", default=",".join(str(r) for r in DEFAULT_RATIOS),
                         help="comma-separated head activation ratios in (0, 1], 'trained', 'min' and schedules "
                              f"({SCHEDULE_EXAMPLES}; quote the list in a shell; default: %(default)s)")
+    parser.add_argument("--head-usage-images", type=int, default=2,
+                        help="images per class for the head-usage figure at the trained ratio, written to "
+                             "OUTPUT_DIR/head_usage/ (moh-dit plot-head-usage's figure; 0: none; dense models get none)")
     parser.add_argument("--match-flops", action="store_true",
                         help="for each schedule, also sweep the constant ratio whose attention FLOPs are closest to "
                              "the schedule's mean (realisable top-K; the remaining FLOP difference is reported)")
@@ -121,6 +124,8 @@ def check_args(args: argparse.Namespace) -> None:
                         ("--num-inference-steps", args.num_inference_steps)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}.")
+    if args.head_usage_images < 0:
+        raise ValueError(f"--head-usage-images must be >= 0 (0: no head-usage figure), got {args.head_usage_images}.")
     if args.bootstrap != 0 and args.bootstrap < 2:
         raise ValueError(f"--bootstrap must be 0 (no FID interval) or >= 2 resamples, got {args.bootstrap}.")
     check_seed_flags(args.guidance_scale, args.seed, args.num_samples)
@@ -227,9 +232,28 @@ def main(args: argparse.Namespace):
                                        settings, log=logger.info)
         result.settings["args"] = vars(args)
         paths = write_sweep(result, args.output_dir)
+        paths.update(_head_usage_figure(args))
     logger.info(result.table())
     logger.info("wrote " + ", ".join(str(p) for p in paths.values()))
     return result
+
+
+def _head_usage_figure(args: argparse.Namespace) -> dict[str, Path]:
+    """The head-usage figure of the swept model at its trained ratio (a few images per class,
+    the sweep's steps and seed, no guidance), written to OUTPUT_DIR/head_usage/; nothing for a
+    dense model or with --head-usage-images 0."""
+    from moh_dit.evaluation.head_usage import measure_head_usage, write_head_usage
+
+    if args.head_usage_images == 0:
+        return {}
+    pipe = load_pipeline(args.model, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype).to(args.device)
+    if not pipe.transformer.is_moh:
+        return {}
+    usage = measure_head_usage(pipe, images_per_class=args.head_usage_images,
+                               num_inference_steps=args.num_inference_steps, seed=args.seed, progress=info_enabled())
+    name = Path(args.model).expanduser().resolve().name
+    paths = write_head_usage(usage, Path(args.output_dir).expanduser() / "head_usage", f"{name}: head usage")
+    return {"head_usage_" + kind: path for kind, path in paths.items()}
 
 
 def cli(argv: list[str] | None = None) -> int:

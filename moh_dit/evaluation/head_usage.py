@@ -34,7 +34,7 @@ from ..models.head_activation import preview_head_activation
 from ..utils.io import write_bytes_atomic, write_json_atomic
 from ..utils.logging import info_enabled
 
-__all__ = ["HeadUsage", "JSON_FILE", "PLOT_FILE", "TIMESTEP", "TRAINING_STEP", "figure_png", "head_usage_from_log",
+__all__ = ["HeadUsage", "JSON_FILE", "MAX_DEFAULT_CLASSES", "default_classes", "PLOT_FILE", "TIMESTEP", "TRAINING_STEP", "figure_png", "head_usage_from_log",
            "head_usage_figure_for_tracker", "measure_head_usage", "plot_head_usage", "write_head_usage"]
 
 PLOT_FILE, JSON_FILE = "head_usage.png", "head_usage.json"
@@ -295,13 +295,25 @@ def _recording(pipe, calls: list, bar) -> Iterator[None]:
             del pipe._progress_bar_config
 
 
+MAX_DEFAULT_CLASSES = 16  # a model with more classes is drawn for 8 of them, spread over the ids
+
+
+def default_classes(num_classes: int) -> list[int]:
+    """The classes drawn when none are named: every class of a model with up to
+    :data:`MAX_DEFAULT_CLASSES`, else 8 spread evenly over the ids."""
+    if num_classes <= MAX_DEFAULT_CLASSES:
+        return list(range(num_classes))
+    return sorted({round(i * (num_classes - 1) / 7) for i in range(8)})
+
+
 def measure_head_usage(
-    pipe, classes: Sequence[int | str], images_per_class: int = 4, num_inference_steps: int = 50,
+    pipe, classes: Sequence[int | str] | None = None, images_per_class: int = 4, num_inference_steps: int = 50,
     guidance_scale: float = 1.0, head_activation_ratio: float | None = None, seed: int = 0, timestep_bins: int = 4,
     progress: bool = True,
 ) -> HeadUsage:
-    """Sample ``images_per_class`` images of each of ``classes`` (ids or names) with ``pipe`` (a
-    ``MoHDiTPipeline``) and record every layer's head usage at every denoising step.
+    """Sample ``images_per_class`` images of each of ``classes`` (ids or names; None:
+    :func:`default_classes`) with ``pipe`` (a ``MoHDiTPipeline``) and record every layer's head
+    usage at every denoising step.
 
     One pipeline call per class (seeds ``seed .. seed + images_per_class - 1`` for every
     class, so the classes share their noise); a forward hook on ``pipe.transformer`` records
@@ -316,6 +328,8 @@ def measure_head_usage(
     images_per_class = _check_count("images_per_class", images_per_class)
     timestep_bins = _check_count("timestep_bins", timestep_bins)
     _check_count("num_inference_steps", num_inference_steps)
+    if classes is None:
+        classes = default_classes(pipe.transformer.config.num_classes)
     classes = list(classes) if not isinstance(classes, (int, str)) else [classes]
     ids = pipe.get_label_ids(classes)
     if len(set(ids)) != len(ids):

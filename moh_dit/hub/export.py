@@ -277,6 +277,10 @@ def _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, ove
         raise ValueError(f"--variant {variant!r}; choose one of {', '.join(VARIANTS)} (or leave it out).")
     metrics_dict = None if metrics is None else read_metrics(metrics)
     sweep_dict = None if sweep is None else read_sweep(sweep)
+    if head_usage is None and sweep is not None:  # a sweep's own head-usage figure, if it drew one
+        folder = Path(sweep).expanduser()
+        folder = (folder if folder.is_dir() else folder.parent) / "head_usage"
+        head_usage = folder if (folder / "head_usage.json").is_file() else None
     usage = None if head_usage is None else read_head_usage(head_usage)
     if push_to_hub is not None:
         check_repo_id(push_to_hub)
@@ -313,7 +317,7 @@ def export_pipeline(
     folder's own (a latent transformer folder needs one). ``variant``: also write ``fp16`` or
     ``bf16`` weights under diffusers' variant names. ``sweep`` / ``metrics``: results for the
     model card; ``head_usage``: a ``moh-dit plot-head-usage`` output, whose figure goes into
-    the folder and the card. ``push_to_hub``: a Hub repository id to upload the finished folder to
+    the folder and the card (default: the sweep's ``head_usage/``, when it has one). ``push_to_hub``: a Hub repository id to upload the finished folder to
     (``private`` / ``token`` for a new repository). ``overwrite`` replaces an earlier export
     (never another folder). ``license``: the Hub license id in the card. Returns ``output``.
     Raises ValueError / FileNotFoundError / FileExistsError for bad arguments (before any
