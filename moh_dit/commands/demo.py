@@ -8,7 +8,9 @@
    bounds what the class-accuracy metric can show);
 3. trains a tiny MoH-DiT (MoH-DiT-Tiny/2: 6 layers, 4 heads, 0.75 head activation, patch 2)
    on the images in pixel space;
-4. samples a labelled grid (one row per class) with MoHDiTPipeline;
+4. samples a labelled grid (one row per class) with MoHDiTPipeline, and ratios.png: the same
+   seeds and classes at three head activation ratios (all heads, the trained ratio, the
+   lowest), one row each, labelled with the ratio and its attention FLOPs relative to dense;
 5. runs the head-activation sweep (FID, sFID, IS, precision, recall, class accuracy,
    attention FLOPs, time per ratio) against the held-out images and prints the table.
 
@@ -70,6 +72,46 @@ def labelled_grid(pipe, per_class: int, steps: int, guidance_scale: float, seed:
             tile = Image.fromarray(image).resize((cell, cell), Image.NEAREST)
             grid.paste(tile, (label_w + c * (cell + 2), y))
     return grid
+
+
+# The rows of ratios.png: every head, the trained ratio, the fewest heads (duplicates dropped).
+PICTURE_RATIOS = (1.0, "trained", "min")
+RATIOS_PICTURE = "ratios.png"
+
+
+def ratio_picture(pipe, ratios=PICTURE_RATIOS, steps: int = 25, guidance_scale: float = 3.0, seed: int = 0,
+                  scale: int = 3) -> Image.Image:
+    """What MoH adds, in one picture: one row per head activation ratio (highest first; ``"trained"``
+    and ``"min"`` allowed), one column per class with seed ``seed + column``, the same in every row,
+    so that a column shows one image at several costs. Rows are labelled with the realised
+    ratio and the attention FLOPs relative to dense (the pipeline's ``mean_attention_flop_ratio``);
+    columns with the class names. Samples are enlarged ``scale`` times, nearest neighbour."""
+    model = pipe.transformer
+    values = {"trained": model.trained_head_activation_ratio, "min": model.head_activation_range[0]}
+    wanted = sorted({float(values.get(r, r)) for r in ratios}, reverse=True)
+    names = pipe.id2label or {i: str(i) for i in range(model.config.num_classes)}
+    classes = sorted(names)
+    rows, seen = [], set()
+    for ratio in tqdm(wanted, desc="ratio picture", unit="ratio", disable=not info_enabled()):
+        out = pipe(classes, guidance_scale=guidance_scale, num_inference_steps=steps, head_activation_ratio=ratio,
+                   seeds=[seed + c for c in range(len(classes))], output_type="np", output_head_usage=False)
+        if out.head_activation_ratio in seen:  # e.g. "min" of a dense model
+            continue
+        seen.add(out.head_activation_ratio)
+        trained = " (trained)" if abs(out.head_activation_ratio - model.trained_head_activation_ratio) < 1e-9 else ""
+        label = f"ratio {out.head_activation_ratio:.2f}{trained}\nattention FLOPs\n{out.mean_attention_flop_ratio:.2f}x dense"
+        rows.append((label, (out.images * 255).round().astype(np.uint8)))
+    cell, label_w, header = rows[0][1].shape[1] * scale, 130, 16
+    picture = Image.new("RGB", (label_w + len(classes) * (cell + 2), header + len(rows) * (cell + 2)), "white")
+    draw = ImageDraw.Draw(picture)
+    for c, class_id in enumerate(classes):
+        draw.text((label_w + c * (cell + 2) + 2, 2), str(names[class_id])[: cell // 6], fill="black")
+    for r, (label, images) in enumerate(rows):
+        y = header + r * (cell + 2)
+        draw.multiline_text((4, y + cell // 2 - 18), label, fill="black")
+        for c, image in enumerate(images):
+            picture.paste(Image.fromarray(image).resize((cell, cell), Image.NEAREST), (label_w + c * (cell + 2), y))
+    return picture
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,8 +178,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 # What a demo folder holds; a folder with these alone (and the demo's dataset) is an earlier
 # demo's, from before the output marker.
-DEMO_ENTRIES = {"data", "reference", "classifier", "run", "cache", "sweep", "samples_grid.png", "demo_summary.json",
-                OUTPUT_MARKER}
+DEMO_ENTRIES = {"data", "reference", "classifier", "run", "cache", "sweep", "samples_grid.png", RATIOS_PICTURE,
+                "demo_summary.json", OUTPUT_MARKER}
 
 
 def check_demo_folder(out: Path) -> None:
@@ -207,6 +249,12 @@ def _run(args: argparse.Namespace, out: Path) -> None:
     with atomic_write(out / "samples_grid.png") as f:
         grid.save(f, format="PNG")
     logger.info(f"[4/5] labelled sample grid: {out / 'samples_grid.png'}")
+    picture = ratio_picture(pipe, steps=args.sample_steps, guidance_scale=args.grid_guidance, seed=args.seed,
+                            scale=max(1, 96 // size))
+    with atomic_write(out / RATIOS_PICTURE) as f:
+        picture.save(f, format="PNG")
+    logger.info(f"[4/5] the same seeds at {', '.join(str(r) for r in PICTURE_RATIOS)} head activation: "
+                f"{out / RATIOS_PICTURE}")
 
     try:
         weights = resolve_inception_weights(args.inception_weights, download=False)
@@ -232,6 +280,7 @@ def _run(args: argparse.Namespace, out: Path) -> None:
         "minutes": minutes, "model": str(final), "classifier": str(classifier_dir),
         "classifier_held_out_accuracy": classifier.held_out_accuracy,
         "class_accuracy": {row.ratio: row.class_accuracy for row in result.rows},
+        "ratios_picture": str(out / RATIOS_PICTURE),
         "sweep": {k: str(v) for k, v in files.items()}})
     logger.info(f"done in {minutes:.1f} min: {out / 'samples_grid.png'}, {files['plot']}, {files['csv']}")
 
