@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import math
 import numbers
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -163,6 +163,8 @@ class MoHDiTPipeline(DiffusionPipeline):
     ...            head_activation_ratio=0.8, seeds=[0, 1, 2])
     >>> out.images[0].save("golden_retriever.png")
     >>> out.head_activation_ratio, [u.mean().item() for u in out.head_usage][:3]
+    >>> out = pipe(["tench"], head_activation_ratio="step:0.5@t>500,1.0", seeds=[0])  # a ratio per step
+    >>> out.head_activation_ratios[:3], out.mean_attention_flops
     >>> from diffusers import DPMSolverMultistepScheduler  # any eps-prediction scheduler, swapped the diffusers way
     >>> pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
     >>> images = pipe(["tench"], num_inference_steps=25, seeds=[0]).images
@@ -345,8 +347,7 @@ class MoHDiTPipeline(DiffusionPipeline):
             ratio = _real(head_activation_ratio)
             if ratio is None:
                 raise ValueError(f"head_activation_ratio={head_activation_ratio!r} is not a number or a schedule.")
-            schedule = HeadActivationSchedule.constant(ratio) if 0 < ratio <= 1 else HeadActivationSchedule(
-                str(ratio), lambda i, t, n: ratio)  # out of (0, 1]: the plan names the range
+            schedule = HeadActivationSchedule(f"{ratio:g}", lambda i, t, n: ratio)  # the plan checks its range
         return plan_head_activation(self.transformer, schedule, self.sampling_timesteps(num_inference_steps, timesteps))
 
     def sampling_timesteps(self, num_inference_steps: int | None, timesteps: Sequence[int] | None) -> torch.Tensor:

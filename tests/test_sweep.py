@@ -243,6 +243,14 @@ def test_plot_shows_the_written_numbers(sweep):
     assert list(star.get_xdata()) == [trained["attention_flop_ratio"]] and list(star.get_ydata()) == [trained["fid"]]
     assert not ax.texts and ax.get_ylim()[0] == 0.0 and ax.get_ylim()[1] > max(e[3] for e in expected)
     assert ax.get_xlabel() == X_LABEL
+    # The top axis reads the constant rows' head activation ratio off the FLOPs axis, continued
+    # linearly beyond the end rows (not held at them, which piled every tick at the edge).
+    from moh_dit.sampling.sweep_results import _interpolate
+
+    (top,) = ax.child_axes
+    assert top.get_xlabel() == "head activation ratio (constant)"
+    flop, ratio = np.array([0.7, 0.85, 1.0]), np.array([0.5, 0.75, 1.0])
+    np.testing.assert_allclose(_interpolate([0.64, 0.7, 0.775, 1.0, 1.06], flop, ratio), [0.4, 0.5, 0.625, 1.0, 1.1])
     subtitle = [text for text in figure.texts if text.get_text() == "subtitle"][0]
     assert subtitle.get_color() == "#be1e1e"  # red: not comparable to published numbers
     with PIL.Image.open(io.BytesIO(figure_png(figure))) as image:

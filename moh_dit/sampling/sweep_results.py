@@ -391,9 +391,18 @@ def _ratio_axis(ax, constants: Sequence[SweepRow]) -> None:
     if len(pairs) < 2 or len({x for x, _ in pairs}) < len(pairs):
         return
     flop, ratio = np.array([x for x, _ in pairs]), np.array([r for _, r in pairs])
-    top = ax.secondary_xaxis("top", functions=(lambda x: np.interp(x, flop, ratio), lambda r: np.interp(r, ratio, flop)))
+    top = ax.secondary_xaxis("top", functions=(lambda x: _interpolate(x, flop, ratio), lambda r: _interpolate(r, ratio, flop)))
     top.set_xlabel("head activation ratio (constant)", fontsize=8)
     top.tick_params(labelsize=8)
+
+
+def _interpolate(x, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
+    """Piecewise-linear through (xp, fp), continued along the end segments (``np.interp`` would
+    hold the end values, which puts every tick beyond the ends at the axis' edge)."""
+    x = np.asarray(x, dtype=float)
+    low = fp[0] + (x - xp[0]) * (fp[1] - fp[0]) / (xp[1] - xp[0])
+    high = fp[-1] + (x - xp[-1]) * (fp[-1] - fp[-2]) / (xp[-1] - xp[-2])
+    return np.where(x < xp[0], low, np.where(x > xp[-1], high, np.interp(x, xp, fp)))
 
 
 def figure_png(figure) -> bytes:
