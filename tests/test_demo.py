@@ -44,6 +44,9 @@ def _run_demo(tmp_path, capsys):
     # The classifier of the real images is trained and reported, and every ratio has a class accuracy.
     assert "% on held-out real images" in out and "class accuracy of the samples at the trained ratio" in out
     assert all(0.0 <= row["class_accuracy"] <= 1.0 for row in sweep["rows"])
+    usage = json.loads((tmp_path / "demo" / "sweep" / "head_usage" / "head_usage.json").read_text())
+    assert usage["settings"]["images_per_class"] == 2 and len(usage["per_class"]) == 12
+    assert (tmp_path / "demo" / "sweep" / "head_usage" / "head_usage.png").is_file()
     summary = json.loads((tmp_path / "demo" / "demo_summary.json").read_text())
     assert summary["ratios_picture"] == str(tmp_path / "demo" / "ratios.png")
     assert 0.0 <= summary["classifier_held_out_accuracy"] <= 1.0 and set(summary["class_accuracy"]) == {

@@ -46,7 +46,9 @@ from moh_dit.utils.logging import get_logger, info_enabled
 from moh_dit.data.demo_data import make_demo_dataset
 from moh_dit.evaluation import InceptionWeightsNotFoundError, resolve_inception_weights
 from moh_dit.sampling.sample import load_pipeline
+from moh_dit.evaluation.head_usage import measure_head_usage, write_head_usage
 from moh_dit.sampling.sweep import run_sweep, write_sweep
+from moh_dit.sampling.sweep_results import model_name
 from moh_dit.training import TrainConfig, train
 
 logger = get_logger(__name__)
@@ -269,6 +271,7 @@ def _run(args: argparse.Namespace, out: Path) -> None:
                        num_inference_steps=args.sample_steps, guidance_scale=args.sweep_guidance, seed=args.seed,
                        cache_dir=out / "cache", progress=info_enabled(), log=None, classifier=classifier, **inception)
     files = write_sweep(result, out / "sweep")
+    files.update(_head_usage_figure(pipe, out / "sweep" / "head_usage", args, model_name(final)))
     logger.info(result.table())
     trained = next((row for row in result.rows if "trained" in row.requested), None)
     if trained is not None:
@@ -283,6 +286,14 @@ def _run(args: argparse.Namespace, out: Path) -> None:
         "ratios_picture": str(out / RATIOS_PICTURE),
         "sweep": {k: str(v) for k, v in files.items()}})
     logger.info(f"done in {minutes:.1f} min: {out / 'samples_grid.png'}, {files['plot']}, {files['csv']}")
+
+
+def _head_usage_figure(pipe, folder: Path, args: argparse.Namespace, name: str) -> dict[str, Path]:
+    """The model's head usage at its trained ratio, 2 images per class (as the sweep command
+    draws it): heads per layer, per class and per denoising-step range."""
+    usage = measure_head_usage(pipe, images_per_class=2, num_inference_steps=args.sample_steps, seed=args.seed,
+                               progress=info_enabled())
+    return {"head_usage_" + kind: path for kind, path in write_head_usage(usage, folder, f"{name}: head usage").items()}
 
 
 def cli(argv: list[str] | None = None) -> int:

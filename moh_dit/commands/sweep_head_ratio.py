@@ -243,6 +243,7 @@ def _head_usage_figure(args: argparse.Namespace) -> dict[str, Path]:
     the sweep's steps and seed, no guidance), written to OUTPUT_DIR/head_usage/; nothing for a
     dense model or with --head-usage-images 0."""
     from moh_dit.evaluation.head_usage import measure_head_usage, write_head_usage
+    from moh_dit.sampling.sweep_results import model_name
 
     if args.head_usage_images == 0:
         return {}
@@ -251,7 +252,7 @@ def _head_usage_figure(args: argparse.Namespace) -> dict[str, Path]:
         return {}
     usage = measure_head_usage(pipe, images_per_class=args.head_usage_images,
                                num_inference_steps=args.num_inference_steps, seed=args.seed, progress=info_enabled())
-    name = Path(args.model).expanduser().resolve().name
+    name = model_name(Path(args.model).expanduser().resolve())
     paths = write_head_usage(usage, Path(args.output_dir).expanduser() / "head_usage", f"{name}: head usage")
     return {"head_usage_" + kind: path for kind, path in paths.items()}
 
