@@ -11,7 +11,6 @@ seed, so it is made again.
 
 from __future__ import annotations
 
-import json
 import os
 import zipfile
 from pathlib import Path
@@ -21,7 +20,7 @@ import numpy as np
 import PIL.Image
 
 from ..utils.io import atomic_write
-from ..utils.output_folders import OUTPUT_MARKER
+from ..utils.output_folders import marked_by
 
 __all__ = ["IMAGE_DIR", "NPZ_FILE", "SETTINGS_FILE", "DamagedSampleError", "check_own_folder", "check_sample_folder",
            "existing_indices", "intact_png", "missing_batches", "missing_indices", "png_path", "read_png",
@@ -189,18 +188,6 @@ def _read_sample(output: Path, index: int, on_damaged: Callable[[int, Path], Non
     return read_png(path, index)
 
 
-def _marker_command(folder: Path) -> str | None:
-    """``written_by`` of the folder's output marker (a regular file), or None."""
-    marker = folder / OUTPUT_MARKER
-    if marker.is_symlink() or not marker.is_file():
-        return None
-    try:
-        info = json.loads(marker.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return str(info.get("written_by")) if isinstance(info, dict) else None
-
-
 def check_own_folder(output: str | os.PathLike, command: str, is_ours: Callable[[Path], bool],
                      flag: str = "--output-dir") -> None:
     """Refuse an existing, non-empty folder that ``moh-dit <command>`` did not write: one without
@@ -210,7 +197,7 @@ def check_own_folder(output: str | os.PathLike, command: str, is_ours: Callable[
     output = Path(output).expanduser()
     if not output.is_dir():
         return
-    if _marker_command(output) == f"moh-dit {command}" or is_ours(output):
+    if marked_by(output) == f"moh-dit {command}" or is_ours(output):
         return
     names = sorted(entry.name for entry in output.iterdir())
     if names:
