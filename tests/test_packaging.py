@@ -36,6 +36,28 @@ def test_the_console_command_is_the_dispatcher():
     assert CONFIG["project"]["scripts"] == {"moh-dit": "moh_dit.commands:main"}  # tests/test_cli.py tests main
 
 
+def test_install_commands_work_without_a_package_index_release():
+    """moh-dit is not on PyPI: no install line in the README, the docs or a message the package
+    prints (the loader file written into saved pipelines included) asks an index for it, and every
+    extra such a line names exists in pyproject.toml."""
+    import re
+
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "moh_dit").rglob("*.py"),
+             *(ROOT / "pipelines").glob("*.py")]
+    extras = set(CONFIG["project"]["optional-dependencies"])
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"pip install (-U )?[\"']?moh[-_]dit\b(?! @)", text), path
+        for named in re.findall(r'pip install (?:-e )?"?\.\[([a-z,]+)\]', text):
+            assert set(named.split(",")) <= extras, (path, named)
+
+
+def test_license_file_matches_pyproject():
+    license_text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert CONFIG["project"]["license"] == {"text": "Apache-2.0"}
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+
+
 def _expected_wheel_files() -> set[str]:
     """Every module of the source tree and every data file package-data names, as wheel paths."""
     config = CONFIG["tool"]["setuptools"]

@@ -2,7 +2,12 @@
 count), no module over 700 lines, no function over 80 lines (docstrings not counted)."""
 
 import ast
+import importlib
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"moh_dit": ROOT / "moh_dit", "moh_dit.pipelines": ROOT / "pipelines"}
@@ -88,23 +93,29 @@ def test_module_and_function_sizes():
     assert not too_long, too_long
 
 
-def test_old_flat_import_paths_still_work_with_a_deprecation_warning():
-    """The flat layout's module paths load the module at its new place, and say so."""
-    import importlib
-    import sys
-    import warnings
+def test_import_and_command_help_load_no_heavy_library():
+    """`import moh_dit` and `moh-dit --help` import neither torch nor diffusers (the package's
+    names are imported when first used), so the command's help answers at once; the names
+    still resolve to the classes they always were."""
+    code = (
+        "import sys, moh_dit, moh_dit.commands\n"
+        "moh_dit.commands.main(['--help'])\n"
+        "heavy = sorted(m for m in ('torch', 'diffusers', 'accelerate', 'scipy', 'matplotlib') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+        "from moh_dit.models.transformer_moh_dit import MoHDiTTransformer2DModel\n"
+        "assert moh_dit.MoHDiTTransformer2DModel is MoHDiTTransformer2DModel\n"
+        "assert callable(moh_dit.load_pipeline) and 'MoHDiTPipeline' in dir(moh_dit)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "usage: moh-dit <command>" in done.stdout
 
+
+def test_old_flat_module_paths_are_gone():
+    """Nothing was released under the flat layout's module names; they are not aliased."""
     import moh_dit
-    from moh_dit._compat import MOVED
 
-    for old, new in MOVED.items():
-        sys.modules.pop(f"moh_dit.{old}", None)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            module = importlib.import_module(f"moh_dit.{old}")
-        assert module is importlib.import_module(f"moh_dit.{new}"), old
-        assert module.__spec__.name == f"moh_dit.{new}", old  # the alias leaves the module as it was
-        assert any(issubclass(w.category, DeprecationWarning) and f"moh_dit.{new}" in str(w.message) for w in caught), old
-    from moh_dit.presets import get_preset  # noqa: F401  (the `from ... import` form)
-
-    assert moh_dit.flops is importlib.import_module("moh_dit.models.flops")
+    with pytest.raises(ImportError):
+        importlib.import_module("moh_dit.presets")
+    with pytest.raises(AttributeError):
+        moh_dit.flops  # noqa: B018

@@ -44,7 +44,7 @@ _LOADER = (
     "try:\n"
     "    from moh_dit.pipelines.pipeline_moh_dit import {name}\n"
     "except ImportError as error:\n"
-    "    raise ImportError(\"This folder was saved by moh-dit's {name}: install moh-dit (pip install moh-dit), \"\n"
+    "    raise ImportError(\"This folder was saved by moh-dit's {name}: install moh-dit (pip install . in a clone of its repository), \"\n"
     "                      \"or share it with `moh-dit export`, which writes a folder that carries its own code.\") from error\n\n"
     '__all__ = ["{name}"]\n'
 )

@@ -19,7 +19,7 @@ import torch
 from ..utils.io import write_bytes_atomic
 
 # The trackers --report-to offers, each with what installs it.
-INSTALL = {"tensorboard": 'pip install "moh-dit[tensorboard]"', "wandb": "pip install wandb"}
+INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install wandb"}
 REPORT_TO = (*INSTALL, "none")
 
 
