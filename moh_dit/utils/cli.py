@@ -11,6 +11,7 @@ import sys
 from types import FrameType
 from typing import Any, Callable, Sequence
 
+from ..errors import MoHDiTError
 from .logging import command_level, get_logger, verbosity
 
 __all__ = ["ArgumentParser", "command", "run_cli"]
@@ -19,7 +20,7 @@ logger = get_logger(__name__)
 
 # Errors that mean bad input or a bad environment, which the message explains; anything
 # else is a bug and keeps its traceback.
-EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (MoHDiTError, ValueError, FileNotFoundError, FileExistsError)
 
 # Faults of the machine rather than of the code: a full disk, a quota, a read-only or failing
 # file system, a missing permission. Every command reports them in one line naming the path.
@@ -84,7 +85,17 @@ class ArgumentParser(argparse.ArgumentParser):
         flag = self._aliases.get(dashed) or (dashed if dashed in self._option_string_actions else None)
         return arg if flag is None else flag + eq + value
 
+    # parameter -> flag of the parser that parsed last: how run_cli names a library error's
+    # parameters (``output_dir`` -> ``--output-dir``), so the flags live in the parsers alone.
+    last_flags: dict[str, str] = {}
+
+    def flags(self) -> dict[str, str]:
+        """Each argument's destination (the library's parameter name) -> its first long flag."""
+        return {action.dest: next(s for s in action.option_strings if s.startswith("--"))
+                for action in self._actions if any(s.startswith("--") for s in action.option_strings)}
+
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None):
+        ArgumentParser.last_flags = self.flags()
         args = list(sys.argv[1:] if args is None else args)
         end = args.index("--") if "--" in args else len(args)  # after "--" everything is a value
         return super().parse_known_args([self._spelled(a) for a in args[:end]] + args[end:], namespace)
@@ -125,16 +136,21 @@ def run_cli(
     """Parse ``argv`` (argparse's own usage errors exit with status 2) and run ``main`` at the
     level of ``--quiet`` / ``--verbose`` (the level from before is restored afterwards); return
     its status if it returns an int, else 0. An expected error, or a fault of the machine (disk
-    full, out of memory, ...), is logged as ``error: <message>`` on stderr and returns 1;
+    full, out of memory, ...), is logged as ``error: <message>`` on stderr and returns 1 (a
+    :class:`~moh_dit.errors.MoHDiTError` names its parameters by this command's flags);
     ``--debug`` lets it raise with its traceback instead."""
     args = parse_args(argv)
+    flags = ArgumentParser.last_flags
     with verbosity(command_level(getattr(args, "verbosity", None))):
         try:
             status = main(args)
         except (*errors, OSError, MemoryError) as error:
             if getattr(args, "debug", False):
                 raise
-            message = str(error) if isinstance(error, errors) else environment_fault(error)
+            if isinstance(error, MoHDiTError):
+                message = error.for_command(flags)
+            else:
+                message = str(error) if isinstance(error, errors) else environment_fault(error)
             if message is None:
                 raise  # a bug: keep the traceback
             logger.error("%s", message)
