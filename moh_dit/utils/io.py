@@ -36,17 +36,8 @@ __all__ = ["FileLockedError", "LinkRefusedError", "atomic_write", "naming_path",
 
 
 def current_umask() -> int:
-    """The process's umask. Read from ``/proc/self/status`` where there is one, because the only
-    portable way, setting it and setting it back, leaves a moment in which another thread's
-    new files would get the wrong mode."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o077)
+    """The process's umask (POSIX can only tell it by setting it and setting it back)."""
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
