@@ -1,5 +1,5 @@
 """The package's shape: no import cycle (imports inside functions and under TYPE_CHECKING
-count), no module over 700 lines, no function over 80 lines (docstrings not counted)."""
+count), and a light top level (``import moh_dit`` and the command's help load no torch)."""
 
 import ast
 import importlib
@@ -71,26 +71,6 @@ def test_no_import_cycle_in_the_package():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
-
-
-def test_module_and_function_sizes():
-    too_long = []
-    for name, path in _modules().items():
-        lines = path.read_text().count("\n")
-        if lines > 700:
-            too_long.append(f"{name}: {lines} lines")
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                body = node.body
-                first = body[0]
-                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-                    if len(body) == 1:
-                        continue
-                    first = body[1]
-                length = node.end_lineno - first.lineno + 1
-                if length > 80:
-                    too_long.append(f"{name}.{node.name}: {length} lines")
-    assert not too_long, too_long
 
 
 def test_import_and_command_help_load_no_heavy_library():
