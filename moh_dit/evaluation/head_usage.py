@@ -19,7 +19,6 @@ on average ``K / routed`` for a routed head of a layer with top-K ``K``. A
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
 import os
@@ -28,9 +27,9 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
-import PIL.Image
 
 from ..models.head_activation import preview_head_activation
+from ..utils.figures import figure_png, figure_rgb, new_figure
 from ..utils.io import write_bytes_atomic, write_json_atomic
 from ..utils.logging import info_enabled
 
@@ -384,32 +383,6 @@ _DPI = 100
 _BAD = "#d9d9d9"  # a layer with fewer heads than the widest: no head there
 
 
-def _figure_class():
-    """matplotlib's Figure with the Agg canvas: no pyplot, no global backend switch, no display."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as err:
-        raise ImportError(f"the head-usage figure needs matplotlib ({err}); pip install matplotlib") from None
-    return Figure, FigureCanvasAgg
-
-
-def figure_png(figure) -> bytes:
-    """``figure`` as an RGB PNG of exactly its pixel size."""
-    return _png(_figure_rgb(figure))
-
-
-def _figure_rgb(figure) -> np.ndarray:
-    figure.canvas.draw()
-    return np.ascontiguousarray(np.asarray(figure.canvas.buffer_rgba())[..., :3])  # (H, W, 3) uint8
-
-
-def _png(rgb: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    PIL.Image.fromarray(rgb).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 def _matrix(loads: Usage, width: int) -> np.ndarray:
     """(layers, width) float array; NaN where a layer has no such head."""
     out = np.full((len(loads), width), np.nan)
@@ -456,7 +429,6 @@ def plot_head_usage(usage: HeadUsage, title: str, subtitle: str | None = None):
     ``"class:<name>"`` or ``"range:<i>"``; its array holds exactly the plotted loads.
     ``subtitle`` defaults to a line built from ``usage.settings``. :func:`figure_png` renders it.
     """
-    figure_class, canvas_class = _figure_class()
     grid = _grid(usage)
     sections = [(name, items) for name, items in (
         ("class", list(usage.per_class.items())),
@@ -465,8 +437,7 @@ def plot_head_usage(usage: HeadUsage, title: str, subtitle: str | None = None):
     small_width = grid.columns * (grid.panel[0] + 0.9) + 0.9
     width = max(1.6 + grid.width * grid.cell + 5.2, small_width)
     height = 1.0 + grid.layers * grid.cell + 0.75 + sum(grid.section_height(len(items)) for _, items in sections)
-    figure = figure_class(figsize=(width, height), dpi=_DPI)
-    canvas_class(figure)
+    figure = new_figure(width, height, _DPI)
     place = _Placer(figure, width, height)
     figure.text(0.25 / width, 1 - 0.3 / height, title, ha="left", va="center", fontsize=13, weight="bold")
     figure.text(0.25 / width, 1 - 0.62 / height, subtitle if subtitle is not None else _subtitle(usage), ha="left",
@@ -617,5 +588,5 @@ def head_usage_figure_for_tracker(log: str | os.PathLike, title: str = "head usa
         if "no head-usage line" in str(error):
             return None
         raise
-    rgb = _figure_rgb(plot_head_usage(usage, title))
+    rgb = figure_rgb(plot_head_usage(usage, title))
     return torch.from_numpy(rgb).permute(2, 0, 1)[None].float() / 255.0

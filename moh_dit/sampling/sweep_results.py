@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Sequence, Union
 
 import numpy as np
-import PIL.Image
 
+from ..utils.figures import figure_png, new_figure
 from ..utils.io import write_bytes_atomic, write_json_atomic
 from ..utils.output_folders import write_output_marker
 
@@ -288,16 +288,6 @@ X_LABEL = "attention FLOPs / dense (mean over the steps)"
 CONSTANT_LABEL = "constant ratio"
 
 
-def _figure_class():
-    """matplotlib's Figure with the Agg canvas: no pyplot, no global backend switch, no display."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as err:
-        raise ImportError(f"the sweep plot needs matplotlib ({err}); pip install matplotlib") from None
-    return Figure, FigureCanvasAgg
-
-
 def plot_fid_vs_ratio(
     rows: Sequence[SweepRow], title: str, subtitle: str, comparable: bool, size: tuple[int, int] = PLOT_SIZE
 ):
@@ -312,9 +302,7 @@ def plot_fid_vs_ratio(
     green when the numbers are comparable to published ones, red when not. ``size`` is in
     pixels. :func:`figure_png` renders it.
     """
-    figure_class, canvas_class = _figure_class()
-    figure = figure_class(figsize=(size[0] / _PLOT_DPI, size[1] / _PLOT_DPI), dpi=_PLOT_DPI)
-    canvas_class(figure)
+    figure = new_figure(size[0] / _PLOT_DPI, size[1] / _PLOT_DPI, _PLOT_DPI)
     figure.suptitle(title, x=0.02, y=0.98, ha="left", fontsize=11)
     figure.text(0.02, 0.935, subtitle, ha="left", va="top", fontsize=9, color="#146e14" if comparable else "#be1e1e")
     panels = [panel for i, panel in enumerate(PLOT_PANELS)
@@ -405,10 +393,3 @@ def _interpolate(x, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
     return np.where(x < xp[0], low, np.where(x > xp[-1], high, np.interp(x, xp, fp)))
 
 
-def figure_png(figure) -> bytes:
-    """``figure`` as an RGB PNG of exactly its pixel size."""
-    figure.canvas.draw()
-    rgba = np.asarray(figure.canvas.buffer_rgba())  # (H, W, 4) uint8
-    buffer = io.BytesIO()
-    PIL.Image.fromarray(np.ascontiguousarray(rgba[..., :3])).save(buffer, format="PNG")
-    return buffer.getvalue()

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..utils.io import write_bytes_atomic
@@ -80,7 +79,8 @@ def save_head_usage_figure(accelerator, logged: tuple[int, list[list[float]]], s
     rows, heads as columns, shared heads hatched) of ``logged``, the usage the run logged last
     (its step, per layer the fraction of tokens that used each head), as the PNG ``path`` and to
     every tracker that takes images (``head_usage``) at ``step``."""
-    from ..evaluation.head_usage import TRAINING_STEP, HeadUsage, figure_png, plot_head_usage
+    from ..evaluation.head_usage import TRAINING_STEP, HeadUsage, plot_head_usage
+    from ..utils.figures import figure_png, figure_rgb
 
     logged_step, usage = logged
     figure = plot_head_usage(
@@ -89,5 +89,5 @@ def save_head_usage_figure(accelerator, logged: tuple[int, list[list[float]]], s
         f"head usage at step {logged_step}", subtitle="fraction of tokens that used each head, in the batch of the "
         f"last logged step ({logged_step})")
     write_bytes_atomic(path, figure_png(figure))
-    rgb = np.ascontiguousarray(np.asarray(figure.canvas.buffer_rgba())[..., :3])  # (H, W, 3), drawn by figure_png
+    rgb = figure_rgb(figure)  # (H, W, 3)
     log_images(accelerator, "head_usage", torch.from_numpy(rgb).permute(2, 0, 1)[None].float() / 255, step)
