@@ -59,7 +59,8 @@ class MoHRouting:
     @property
     def load_balance_loss(self) -> torch.Tensor | None:
         """The release's ``E * sum_i P_i f_i`` with P_i the mean router probability (which
-        carries the gradient); E at perfect balance. None without routed heads."""
+        carries the gradient); K at perfect balance (P_i = 1/E, f_i = K/E). None without
+        routed heads."""
         if self.router_probs is None:
             return None
         return self.router_probs.shape[-1] * (self.router_probs.mean(dim=(0, 1)) * self.routed_usage).sum()
@@ -123,6 +124,10 @@ class MoHAttention(Attention):
     ``inner_dim = heads * dim_head`` may differ from ``query_dim``. The faster paths and
     their switches (``sparse_inference``, ``sparse_policy``, ``sparse_processor``,
     ``fused_projections``) are described in ``fast_paths.choose_path``.
+
+    Any diffusers processor can be set (``set_processor``, the model's ``set_attn_processor``);
+    on a MoH layer it still computes MoH (``forward``). ``layer_name``: the layer's path in
+    its model (the model sets it), named in errors.
     """
 
     _default_processor_cls = MoHAttnProcessor
@@ -148,6 +153,7 @@ class MoHAttention(Attention):
         self.sparse_policy = SparseInferencePolicy()
         self.sparse_processor = MoHSparseAttnProcessor()
         self.fused_projections: bool | None = None
+        self.layer_name = type(self).__name__
 
     def routers(self) -> dict[str, nn.Linear]:
         """The router linears this layer has, by attribute name, in ``ROUTERS`` order."""
@@ -190,14 +196,49 @@ class MoHAttention(Attention):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(B, N, D) -> (B, N, D). Runs ``processor`` (dense-masked by default), or one of the
-        fast paths where ``fast_paths.choose_path`` picks it."""
+        fast paths where ``fast_paths.choose_path`` picks it. Any other processor on a MoH
+        layer runs with this layer's gates (``_with_gates``)."""
         self.routing = None
         path = self.path(hidden_states.shape[1], hidden_states.device)
         if path == "sparse":
             return self.sparse_processor(self, hidden_states)
         if path == "fused":
             return self.processor(self, hidden_states, fused=True)
+        if self.is_moh and type(self.processor) is not MoHAttnProcessor:
+            return self._with_gates(hidden_states)
         return self.processor(self, hidden_states)
+
+    def _with_gates(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Run a processor that is not MoH's own, such as diffusers' ``AttnProcessor2_0``: the
+        routing is computed here, and the gates multiply the heads where diffusers' processors
+        hand them, (B, N, h*d), to ``to_out[0]`` (a pre-hook for this call). A processor that
+        has left its own routing on ``routing`` by then (MoH's, wrapped by a user's) has
+        gated the heads itself."""
+        routing = self.route(hidden_states)
+        gated = []
+
+        def gate_heads(_to_out, args):
+            if self.routing is not None:
+                return None
+            heads = args[0].unflatten(-1, (self.heads, -1))  # (B, N, h, d)
+            gated.append(True)
+            return ((heads * routing.gates.unsqueeze(-1).to(heads.dtype)).flatten(-2), *args[1:])  # (B, N, h*d)
+
+        hook = self.to_out[0].register_forward_pre_hook(gate_heads)
+        try:
+            out = self.processor(self, hidden_states)
+        finally:
+            hook.remove()
+        if self.routing is None:
+            if not gated:
+                raise ValueError(
+                    f"{self.layer_name}: its processor {type(self.processor).__name__} never called to_out[0], "
+                    "where a MoH layer gates its heads. Use a processor that passes the heads (B, N, heads * "
+                    "head_dim) through attn.to_out[0], as diffusers' AttnProcessor2_0 and AttnProcessor do, or "
+                    "MoHAttnProcessor."
+                )
+            self.routing = routing
+        return out
 
     def path(self, tokens: int | None = None, device: torch.device | None = None) -> str:
         """``"sparse"``, ``"fused"`` or ``"default"``: what a call on ``tokens`` tokens on

@@ -52,7 +52,7 @@ class SparseInferencePolicy:
 
 
 def _skips_heads(attn: Any, tokens: int | None, device: torch.device | None, default_processor: bool) -> bool:
-    if attn.training or attn.sparse_inference is False or not attn.num_routed_heads:
+    if attn.training or attn.sparse_inference is False or not attn.num_routed_heads or not default_processor:
         return False
     dense_above = getattr(attn.sparse_processor, "dense_above", 1.0)
     if not skips_at_density(attn.top_k, attn.num_routed_heads, dense_above):
@@ -65,7 +65,6 @@ def _skips_heads(attn: Any, tokens: int | None, device: torch.device | None, def
     active = (attn.num_shared_heads + attn.top_k) / attn.heads
     return (
         not torch.is_grad_enabled()
-        and default_processor
         and not torch.compiler.is_compiling()
         and active <= policy.max_active
         and (tokens or 0) * attn.inner_dim >= policy.min_work
@@ -77,15 +76,16 @@ def choose_path(attn: Any, tokens: int | None = None, device: torch.device | Non
                 default_processor: bool = True) -> str:
     """What a call of ``attn`` on ``tokens`` tokens on ``device`` runs: ``"sparse"``,
     ``"fused"`` or ``"default"``. ``default_processor``: the layer's processor is the default
-    ``MoHAttnProcessor`` (a user's own processor is never replaced in automatic mode).
+    ``MoHAttnProcessor``; any other processor always runs itself (``"default"``), also with
+    ``sparse_inference=True`` or ``fused_projections=True``.
 
-    Head-sparse never in training mode, with ``sparse_inference=False`` or without routed
-    heads; never either when the routed density is above the sparse processor's
+    Head-sparse never in training mode, with ``sparse_inference=False``, another processor
+    or without routed heads; never either when the routed density is above the sparse processor's
     ``dense_above`` or every routed head is selected (``skips_at_density``), or inside an
     autocast region on ``device`` (the projections would come out in another dtype than the
     input, and the sparse strategies' out= / in-place kernels would mix them). Then always
     with ``sparse_inference=True``. In automatic mode (None) also only when autograd is off,
-    the default processor is in place, the model is not being compiled (the sparse path has
+    the model is not being compiled (the sparse path has
     data-dependent shapes) and ``sparse_policy`` allows it.
 
     Otherwise fused when ``fused_projections`` says so (None: on CUDA, where one launch

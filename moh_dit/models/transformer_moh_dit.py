@@ -219,6 +219,8 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin, AttentionMixin):
                 for i in range(num_layers)
             ]
         )
+        for i, block in enumerate(self.transformer_blocks):
+            block.attn1.layer_name = f"transformer_blocks.{i}.attn1"  # named in its errors
         self.norm_out = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=norm_eps)
         self.proj_out_1 = nn.Linear(hidden_size, 2 * hidden_size)
         self.proj_out_2 = nn.Linear(hidden_size, patch_size * patch_size * self.out_channels)

@@ -1,0 +1,134 @@
+"""diffusers' extension points on the MoH transformer: attention processors and LoRA adapters.
+
+A processor or an adapter must never switch MoH off or be ignored: any processor still gets
+the layer's gates, top-K and statistics, and every computation path (dense-masked, fused,
+head-sparse) gives the default path's result with a LoRA in place, or steps aside.
+"""
+
+import pytest
+import torch
+from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+from moh_dit import MoHDiTTransformer2DModel
+from moh_dit.models.attention import MoHAttnProcessor, MoHRouting
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+def tiny(randomize, seed=0):
+    return randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny/2", sample_size=8), seed=seed).eval()
+
+
+def inputs(model, batch=2, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, model.config.in_channels, 8, 8, generator=gen)
+    t = torch.randint(0, 1000, (batch,), generator=gen)
+    y = torch.randint(0, model.config.num_classes, (batch,), generator=gen)
+    return x, t, y
+
+
+@torch.no_grad()
+def run(model, x, t, y):
+    return model(x, t, y, output_load_balance_loss=True, output_head_usage=True)
+
+
+def close(a, b):
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------ attention processors
+class CountingProcessor:
+    """A user's own processor: diffusers' AttnProcessor2_0 that counts its calls."""
+
+    def __init__(self, inner=None):
+        self.inner, self.calls = inner or AttnProcessor2_0(), 0
+
+    def __call__(self, attn, hidden_states, *args, **kwargs):
+        self.calls += 1
+        return self.inner(attn, hidden_states, *args, **kwargs)
+
+
+class SkipsOutputProjection:
+    """Attention without diffusers' output projection: nowhere to apply the gates."""
+
+    def __call__(self, attn, hidden_states, *args, **kwargs):
+        return attn.to_out[1](attn.to_v(hidden_states))
+
+
+PROCESSORS = {
+    "AttnProcessor2_0": AttnProcessor2_0,
+    "AttnProcessor": AttnProcessor,
+    "counting": CountingProcessor,
+    "counting around MoH's own": lambda: CountingProcessor(MoHAttnProcessor()),
+}
+
+
+@pytest.mark.parametrize("name", PROCESSORS)
+def test_any_processor_keeps_moh(randomize, name):
+    """diffusers' stock processors and a user's own compute MoH: the same output, head usage
+    and load-balance loss as the default processor (unselected heads stay off; MoH's own
+    processor wrapped by a user's is not gated twice)."""
+    model = tiny(randomize)
+    x, t, y = inputs(model)
+    ref = run(model, x, t, y)
+    assert any(u.min() < 1 for u in ref.head_usage)  # some routed heads really are off
+    model.set_attn_processor(PROCESSORS[name]())
+    out = run(model, x, t, y)
+    assert close(out.sample, ref.sample)
+    assert close(out.load_balance_loss, ref.load_balance_loss)
+    assert all(torch.equal(a, b) for a, b in zip(out.head_usage, ref.head_usage))
+    assert all(block.attn1.routing is None for block in model.transformer_blocks)
+
+
+def test_routers_learn_through_any_processor(randomize):
+    """In training the gates applied for a stock processor carry the routers' gradients."""
+    model = tiny(randomize).train()
+    x, t, y = inputs(model)
+    keep = torch.zeros_like(y)
+
+    def router_grads():
+        model.zero_grad(set_to_none=True)
+        out = model(x, t, y, force_drop_ids=keep)
+        (out.sample.square().mean() + out.load_balance_loss).backward()
+        return [p.grad.clone() for n, p in model.named_parameters() if ".router_" in n]
+
+    ref = router_grads()
+    model.set_attn_processor(AttnProcessor2_0())
+    assert all(close(a, b) for a, b in zip(router_grads(), ref))
+
+
+def test_a_users_processor_runs_on_every_path(randomize):
+    """Forced head-sparse or fused computation never replaces a user's processor."""
+    model = tiny(randomize)
+    x, t, y = inputs(model)
+    ref = run(model, x, t, y).sample
+    processor = CountingProcessor()
+    model.set_attn_processor(processor)
+    model.set_sparse_inference(True)
+    for block in model.transformer_blocks:
+        block.attn1.fused_projections = True
+        assert block.attn1.path(16, x.device) == "default"
+    assert close(run(model, x, t, y).sample, ref)
+    assert processor.calls == len(model.transformer_blocks)
+
+
+def test_a_processor_that_bypasses_to_out_is_refused(randomize):
+    """A processor that never calls ``to_out[0]`` leaves no place for the gates: refused with
+    the layer's name. A dense layer runs it unchanged."""
+    model = tiny(randomize)
+    model.transformer_blocks[2].attn1.set_processor(SkipsOutputProjection())
+    with pytest.raises(ValueError, match=r"transformer_blocks\.2\.attn1.*to_out"):
+        run(model, *inputs(model))
+    dense = randomize(MoHDiTTransformer2DModel.from_preset("DiT-Tiny/2", sample_size=8)).eval()
+    dense.transformer_blocks[2].attn1.set_processor(SkipsOutputProjection())
+    assert run(dense, *inputs(dense)).sample.isfinite().all()
+
+
+# ------------------------------------------------------------------ the load-balance loss
+def test_load_balance_loss_is_k_at_perfect_balance():
+    """``E * sum_i P_i f_i`` with uniform router probabilities and every routed head in the
+    top-K of the same share of tokens is K (here 2 of E = 4)."""
+    probs = torch.full((1, 4, 4), 0.25)  # (B, N, E)
+    routed_index = torch.tensor([[[0, 1], [2, 3], [1, 2], [3, 0]]])  # (B, N, K): each head twice
+    routing = MoHRouting(torch.ones(1, 4, 4), routed_index, torch.ones(1, 4, 2), probs)
+    assert routing.routed_usage.tolist() == [0.5] * 4
+    assert routing.load_balance_loss.item() == pytest.approx(2.0)
