@@ -11,8 +11,14 @@ from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
 from moh_dit import MoHDiTTransformer2DModel
 from moh_dit.models.attention import MoHAttnProcessor, MoHRouting
+from moh_dit.models.fast_paths import SparseInferencePolicy
+from moh_dit.models.sparse_attention import MoHSparseAttnProcessor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Every linear of a MoH layer: the attention projections and the routers.
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "router_routed", "router_mix", "router_shared"]
+
 
 def tiny(randomize, seed=0):
     return randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny/2", sample_size=8), seed=seed).eval()
@@ -132,3 +138,58 @@ def test_load_balance_loss_is_k_at_perfect_balance():
     routing = MoHRouting(torch.ones(1, 4, 4), routed_index, torch.ones(1, 4, 2), probs)
     assert routing.routed_usage.tolist() == [0.5] * 4
     assert routing.load_balance_loss.item() == pytest.approx(2.0)
+
+
+# ------------------------------------------------------------------ LoRA on every path
+ANYWHERE = SparseInferencePolicy(max_active=1.0, min_work=0)  # automatic mode at any size and density
+PATHS = {"default": (False, False), "fused": (False, True), "sparse": (True, None), "sparse, automatic": (None, None)}
+
+
+def use_path(model, path):
+    """Force one computation (sparse_inference, fused_projections) on every layer."""
+    sparse, fused = PATHS[path]
+    model.set_sparse_inference(sparse, policy=ANYWHERE)
+    for block in model.transformer_blocks:
+        block.attn1.fused_projections = fused
+        block.attn1.sparse_processor = MoHSparseAttnProcessor(dense_above=1.0)
+
+
+def lora_model(randomize, attach):
+    """The tiny model at its lowest head ratio with a rank-4 LoRA on every linear of every
+    attention layer, its B weights non-zero (at initialisation a LoRA changes nothing)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model = tiny(randomize)
+    model.set_head_activation_ratio(model.head_activation_range[0])
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS)
+    if attach == "peft":
+        inject_adapter_in_model(config, model)
+    else:
+        model.add_adapter(config)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("attach", ["peft"])
+def test_every_path_sees_the_lora(randomize, attach):
+    """Each path with the LoRA gives the default path's output with the LoRA (a path that
+    would read the raw weights steps aside), and differs from the same path without it."""
+    pytest.importorskip("peft")
+    base = tiny(randomize)
+    base.set_head_activation_ratio(base.head_activation_range[0])
+    model = lora_model(randomize, attach)
+    x, t, y = inputs(model)
+    use_path(model, "default")
+    ref = run(model, x, t, y).sample
+    for path in PATHS:
+        use_path(base, path)  # without LoRA each path really runs
+        routed = [b.attn1 for b in base.transformer_blocks if b.attn1.num_routed_heads]
+        with torch.no_grad():
+            assert all(a.path(16, x.device) == path.split(",")[0] for a in routed), path
+        use_path(model, path)
+        assert close(run(model, x, t, y).sample, ref), path
+        assert not close(run(base, x, t, y).sample, ref), path

@@ -54,6 +54,8 @@ class SparseInferencePolicy:
 def _skips_heads(attn: Any, tokens: int | None, device: torch.device | None, default_processor: bool) -> bool:
     if attn.training or attn.sparse_inference is False or not attn.num_routed_heads or not default_processor:
         return False
+    if not (fusable(attn) and type(attn.to_out[0]) is torch.nn.Linear):  # it reads the raw weights
+        return False
     dense_above = getattr(attn.sparse_processor, "dense_above", 1.0)
     if not skips_at_density(attn.top_k, attn.num_routed_heads, dense_above):
         return False
@@ -80,13 +82,16 @@ def choose_path(attn: Any, tokens: int | None = None, device: torch.device | Non
     ``sparse_inference=True`` or ``fused_projections=True``.
 
     Head-sparse never in training mode, with ``sparse_inference=False``, another processor
-    or without routed heads; never either when the routed density is above the sparse processor's
-    ``dense_above`` or every routed head is selected (``skips_at_density``), or inside an
-    autocast region on ``device`` (the projections would come out in another dtype than the
-    input, and the sparse strategies' out= / in-place kernels would mix them). Then always
-    with ``sparse_inference=True``. In automatic mode (None) also only when autograd is off,
-    the model is not being compiled (the sparse path has
-    data-dependent shapes) and ``sparse_policy`` allows it.
+    or without routed heads; nor when a projection it reads (``to_q``, ``to_k``, ``to_v``,
+    ``to_out[0]``, the routers) is not a plain ``nn.Linear``: the sparse path reads their
+    weights, so a LoRA layer (peft) or a user's module in their place would be ignored;
+    never either when the routed density is above the sparse processor's ``dense_above`` or
+    every routed head is selected (``skips_at_density``), or inside an autocast region on
+    ``device`` (the projections would come out in another dtype than the input, and the
+    sparse strategies' out= / in-place kernels would mix them). Then always with
+    ``sparse_inference=True``, which in all the cases above takes the default path instead.
+    In automatic mode (None) also only when autograd is off, the model is not being
+    compiled (the sparse path has data-dependent shapes) and ``sparse_policy`` allows it.
 
     Otherwise fused when ``fused_projections`` says so (None: on CUDA, where one launch
     instead of four is what pays; elsewhere the separate linears, which keep CPU results
