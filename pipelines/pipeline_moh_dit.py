@@ -120,12 +120,12 @@ class MoHDiTPipelineOutput(BaseOutput):
 
 @dataclass
 class _SamplingRun:
-    """What every denoising step of one ``__call__`` needs, fixed before the first step."""
+    """What every denoising step of one ``__call__`` needs, fixed before the first step. The
+    guidance scale is not here: it is the pipeline's ``_guidance_scale``, which a step callback
+    may change (diffusers' convention)."""
 
     ids: list[int]  # class ids of the B images
-    labels_in: torch.Tensor  # (B,) or, guided, (2B,) with the null class for the second half
-    guided: bool
-    guidance_scale: float
+    labels: torch.Tensor  # (B,)
     num_guided: int  # eps channels that guidance acts on
     use_variance: bool  # the scheduler's step takes the variance channels (DDPM learned range)
     output_head_usage: bool  # the model computes its routing statistics only when asked
@@ -133,7 +133,7 @@ class _SamplingRun:
     callback: Callable[..., dict[str, Any]] | None  # diffusers' callback_on_step_end
     callback_inputs: Sequence[str]
     step_ratios: list[float] | None = None  # a schedule's requested ratio per step (None: one ratio for the call)
-    step_realised: list[float] = dataclasses.field(default_factory=list)  # what each step ran at
+    step_realised: list[float] = dataclasses.field(default_factory=list)  # what each step that ran ran at
     step_top_k: list[list[int]] = dataclasses.field(default_factory=list)
 
 
@@ -238,6 +238,29 @@ class MoHDiTPipeline(DiffusionPipeline):
         installed moh-dit (diffusers looks a plain class name up in ``diffusers`` itself)."""
         super().save_pretrained(save_directory, *args, **kwargs)
         write_loader_file(save_directory, type(self).__name__)
+
+    # ------------------------------------------------------------------ state of the running call
+    # diffusers' pipeline state: set at the start of every ``__call__`` and read by every step, so
+    # that a ``callback_on_step_end`` may change them (``pipe._guidance_scale = 0.0``, ``pipe._interrupt = True``).
+    @property
+    def guidance_scale(self) -> float:
+        """The classifier-free guidance scale the next step uses (the call's, unless a callback changed it)."""
+        return self._guidance_scale
+
+    @property
+    def do_classifier_free_guidance(self) -> bool:
+        """Whether the next step guides (``guidance_scale > 1``): with the unconditional half in the batch."""
+        return self._guidance_scale > 1
+
+    @property
+    def num_timesteps(self) -> int:
+        """The number of denoising steps of the call."""
+        return self._num_timesteps
+
+    @property
+    def interrupt(self) -> bool:
+        """Set (``pipe._interrupt = True``, e.g. in a callback) to skip the call's remaining steps."""
+        return self._interrupt
 
     # ------------------------------------------------------------------ labels
     @property
@@ -472,7 +495,13 @@ class MoHDiTPipeline(DiffusionPipeline):
             callback_on_step_end: diffusers' step callback, called after each scheduler step as
                 ``callback(pipe, step_index, timestep, callback_kwargs)`` with the tensors named in
                 ``callback_on_step_end_tensor_inputs``; the ``"latents"`` of the dict it returns
-                replace the latents. A ``PipelineCallback`` brings its own ``tensor_inputs``.
+                replace the latents. A ``PipelineCallback`` brings its own ``tensor_inputs``. It may
+                read ``pipe.guidance_scale``, ``pipe.do_classifier_free_guidance`` and
+                ``pipe.num_timesteps``, change the guidance of the following steps with
+                ``pipe._guidance_scale`` (1 or less drops the unconditional half; above 1 adds it),
+                and stop the run with ``pipe._interrupt = True``: the remaining steps are skipped and
+                the output is the latents after the last step that ran, decoded as usual, with
+                ``head_activation_ratios`` and the FLOPs of the steps that ran.
             callback_on_step_end_tensor_inputs: names from ``_callback_tensor_inputs``.
 
         Raises:
@@ -492,23 +521,23 @@ class MoHDiTPipeline(DiffusionPipeline):
         )
         if seeds is not None:
             generator = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
-        run = self._prepare_run(self.get_label_ids(class_labels), float(guidance_scale), guidance_channels, generator, eta,
+        self._guidance_scale = float(guidance_scale)
+        self._interrupt = False
+        run = self._prepare_run(self.get_label_ids(class_labels), guidance_channels, generator, eta,
                                 bool(output_head_usage), callback_on_step_end, callback_on_step_end_tensor_inputs)
         if timesteps is None:
             self.scheduler.set_timesteps(num_inference_steps)
         else:
             self.scheduler.set_timesteps(timesteps=[int(t) for t in timesteps])
+        self._num_timesteps = len(self.scheduler.timesteps)
         x = self._initial_latents(len(run.ids), generator, latents)
         scheduled = _is_schedule(head_activation_ratio)
         if scheduled:
             plan = plan_head_activation(self.transformer, as_schedule(head_activation_ratio), self.scheduler.timesteps)
             run.step_ratios = plan.requested
         with self._sampling_state(None if scheduled else head_activation_ratio, run.use_variance) as realised:
-            if not scheduled:  # one top-K for the whole call
-                run.step_top_k = [self.transformer.top_k_per_layer] * len(self.scheduler.timesteps)
-                run.step_realised = [realised] * len(self.scheduler.timesteps)
             x, head_usage, watch = self._denoise(run, x)
-        error = watch.error(self.scheduler.timesteps, run.guidance_scale)
+        error = watch.error(self.scheduler.timesteps, self._guidance_scale)
         if error is not None:
             self.maybe_free_model_hooks()
             raise error
@@ -554,19 +583,14 @@ class MoHDiTPipeline(DiffusionPipeline):
         return kwargs
 
     def _prepare_run(
-        self, ids: list[int], guidance_scale: float, guidance_channels: str, generator, eta: float,
+        self, ids: list[int], guidance_channels: str, generator, eta: float,
         output_head_usage: bool, callback, callback_inputs: Sequence[str],
     ) -> _SamplingRun:
         """What every denoising step of one call needs, fixed before the first."""
-        guided = guidance_scale > 1.0
         channels = self.transformer.config.in_channels
-        labels = torch.tensor(ids, device=self._execution_device)
-        null = self.transformer.config.num_classes
         return _SamplingRun(
             ids=ids,
-            labels_in=torch.cat([labels, torch.full_like(labels, null)]) if guided else labels,
-            guided=guided,
-            guidance_scale=guidance_scale,
+            labels=torch.tensor(ids, device=self._execution_device),
             num_guided=channels if guidance_channels == "all" else min(3, channels),
             use_variance=self._takes_variance(),
             output_head_usage=output_head_usage,
@@ -589,16 +613,19 @@ class MoHDiTPipeline(DiffusionPipeline):
         return latents.to(device=device, dtype=torch.float32) * self.scheduler.init_noise_sigma
 
     def _denoise(self, run: _SamplingRun, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor] | None, FiniteWatch]:
-        """The denoising loop over the scheduler's timesteps: the final (B, C, H, W) latents,
-        each layer's head usage averaged over the transformer calls (None unless the run asks
-        for it), and the finite watch."""
+        """The denoising loop over the scheduler's timesteps: the final (B, C, H, W) latents (after
+        the last step that ran, when ``pipe._interrupt`` stopped the run), each layer's head usage
+        averaged over the transformer calls (None unless the run asks for it), and the finite watch."""
         usage_sum: list[torch.Tensor] | None = None
         calls = 0
         watch = FiniteWatch(x.device, len(self.scheduler.timesteps))
         for index, t in enumerate(self.progress_bar(self.scheduler.timesteps)):
+            if self.interrupt:  # diffusers' pipelines skip the remaining steps the same way
+                continue
             if run.step_ratios is not None:  # a schedule: this step's top-K (restored by _sampling_state)
-                run.step_realised.append(self.transformer.set_head_activation_ratio(run.step_ratios[index]))
-                run.step_top_k.append(self.transformer.top_k_per_layer)
+                self.transformer.set_head_activation_ratio(run.step_ratios[index])
+            run.step_realised.append(self.transformer.head_activation_ratio)
+            run.step_top_k.append(self.transformer.top_k_per_layer)
             x, used = self._denoise_step(run, x, t)
             if run.callback is not None:
                 tensors = {"latents": x}  # the names of _callback_tensor_inputs
@@ -620,15 +647,18 @@ class MoHDiTPipeline(DiffusionPipeline):
         """One transformer call (both halves when guided) and one scheduler step: the next
         (B, C, H, W) latents and this call's per-layer head usage (None unless asked for)."""
         channels, num_guided = self.transformer.config.in_channels, run.num_guided
-        model_in = torch.cat([x, x]) if run.guided else x
+        guided = self.do_classifier_free_guidance  # read every step: a callback may have changed the scale
+        model_in = torch.cat([x, x]) if guided else x
+        labels = torch.cat([run.labels, torch.full_like(run.labels, self.transformer.config.num_classes)]) \
+            if guided else run.labels  # the null class for the unconditional half
         model_in = self.scheduler.scale_model_input(model_in, t)
         t_in = torch.as_tensor(t, device=self._execution_device).reshape(1).expand(model_in.shape[0])
-        out = self.transformer(model_in.to(self.transformer.dtype), timestep=t_in, class_labels=run.labels_in,
+        out = self.transformer(model_in.to(self.transformer.dtype), timestep=t_in, class_labels=labels,
                                output_head_usage=run.output_head_usage)
         pred = out.sample.float()  # (B or 2B, C or 2C, H, W)
-        if run.guided:
+        if guided:
             cond, uncond = pred.chunk(2)
-            eps = uncond[:, :num_guided] + run.guidance_scale * (cond[:, :num_guided] - uncond[:, :num_guided])
+            eps = uncond[:, :num_guided] + self._guidance_scale * (cond[:, :num_guided] - uncond[:, :num_guided])
             pred = torch.cat([eps, cond[:, num_guided:]], dim=1)  # (B, C or 2C, H, W)
         if not run.use_variance:
             pred = pred[:, :channels]

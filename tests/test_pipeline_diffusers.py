@@ -1,0 +1,115 @@
+"""MoHDiTPipeline where users step onto diffusers' extension points: the pipeline state a step
+callback reads and writes (``guidance_scale``, ``do_classifier_free_guidance``, ``num_timesteps``,
+``interrupt``), nested class labels as DiTPipeline takes them, DDIM with clipping as IDDPM's, and
+LoRA loading the diffusers way."""
+
+import pytest
+import torch
+
+STEPS = 3
+
+
+def record_model_calls(pipe):
+    """Each transformer call's batch size and (cond, uncond) eps halves (uncond None when unguided),
+    and each scheduler step's model output."""
+    calls, steps = [], []
+
+    def hook(module, args, kwargs, output):
+        eps = output.sample[:, :3].detach().clone()
+        calls.append((eps.shape[0], *(eps.chunk(2) if kwargs["class_labels"][-1] == 10 else (eps, None))))
+
+    pipe.transformer.register_forward_hook(hook, with_kwargs=True)
+    original = pipe.scheduler.step
+
+    def step(model_output, t, sample, **kwargs):
+        steps.append(model_output[:, :3].clone())
+        return original(model_output, t, sample, **kwargs)
+
+    pipe.scheduler.step = step
+    return calls, steps
+
+
+# ---------------------------------------------------------------- pipeline state and callbacks
+
+
+def test_callback_reads_and_raises_the_guidance_scale(tiny_pipe):
+    """diffusers' ``test_callback_cfg``: a callback adding 1 to ``pipe._guidance_scale`` after every
+    step leaves ``pipe.guidance_scale == start + pipe.num_timesteps``; the callback sees the state."""
+    pipe = tiny_pipe()
+    seen = []
+
+    def increase(p, i, t, callback_kwargs):
+        seen.append((p.guidance_scale, p.do_classifier_free_guidance, p.num_timesteps, p.interrupt))
+        p._guidance_scale += 1.0
+        return callback_kwargs
+
+    pipe([1], guidance_scale=2.0, num_inference_steps=STEPS, seeds=[0], output_type="latent",
+         callback_on_step_end=increase, callback_on_step_end_tensor_inputs=pipe._callback_tensor_inputs)
+    assert pipe.num_timesteps == STEPS and pipe.guidance_scale == 2.0 + pipe.num_timesteps
+    assert seen == [(2.0 + i, True, STEPS, False) for i in range(STEPS)]
+
+
+def test_guidance_set_in_a_callback_acts_from_the_next_step(tiny_pipe):
+    """The pipeline's ``_guidance_scale`` is what every step guides with: after a callback sets it,
+    the next step's eps is ``uncond + s (cond - uncond)`` with the new s, and the images change."""
+    pipe = tiny_pipe()
+    kwargs = dict(guidance_scale=2.0, num_inference_steps=STEPS, seeds=[0, 1], output_type="latent")
+    plain = pipe([1, 2], **kwargs).images
+    calls, steps = record_model_calls(pipe)
+
+    def set_five(p, i, t, callback_kwargs):
+        p._guidance_scale = 5.0
+        return callback_kwargs
+
+    changed = pipe([1, 2], callback_on_step_end=set_five, **kwargs).images
+    for scale, (_, cond, uncond), eps in zip([2.0, 5.0, 5.0], calls, steps):
+        torch.testing.assert_close(eps, uncond + scale * (cond - uncond))
+    assert (changed - plain).abs().max() > 1e-3
+
+
+def test_guidance_turned_off_and_on_in_a_callback(tiny_pipe):
+    """A scale of 1 or less set by a callback drops the unconditional half from the next step (what
+    diffusers' CFG cut-off callbacks do with ``_guidance_scale = 0``); a scale above 1 adds it."""
+    pipe = tiny_pipe()
+    calls, steps = record_model_calls(pipe)
+    kwargs = dict(num_inference_steps=STEPS, seeds=[0, 1], output_type="latent")
+
+    def cut_off(p, i, t, callback_kwargs):
+        p._guidance_scale = 0.0
+        return callback_kwargs
+
+    pipe([1, 2], guidance_scale=2.0, callback_on_step_end=cut_off, **kwargs)
+    assert [batch for batch, _, _ in calls] == [4, 2, 2] and not pipe.do_classifier_free_guidance
+    torch.testing.assert_close(steps[1], calls[1][1])  # the conditional eps alone
+    calls.clear()
+
+    def turn_on(p, i, t, callback_kwargs):
+        p._guidance_scale = 3.0
+        return callback_kwargs
+
+    pipe([1, 2], guidance_scale=1.0, callback_on_step_end=turn_on, **kwargs)
+    assert [batch for batch, _, _ in calls] == [2, 4, 4]
+
+
+def test_interrupt_stops_the_loop_and_returns_the_latents_so_far(tiny_pipe):
+    """``pipe._interrupt = True`` in a callback skips the remaining steps (diffusers' ``continue``);
+    the output is the latents after the last step that ran, decoded like any output, and the
+    per-step records cover the steps that ran."""
+    pipe = tiny_pipe()
+    calls, _ = record_model_calls(pipe)
+    kept = []
+
+    def stop_after_two(p, i, t, callback_kwargs):
+        kept.append(callback_kwargs["latents"].clone())
+        p._interrupt = i == 1
+        return callback_kwargs
+
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=4, seeds=[0], callback_on_step_end=stop_after_two)
+    out = pipe([3], output_type="latent", **kwargs)
+    assert len(calls) == 2 and len(kept) == 2 and pipe.interrupt and pipe.num_timesteps == 4
+    torch.testing.assert_close(out.images, kept[1], rtol=0, atol=0)
+    assert len(out.head_activation_ratios) == 2
+    images = pipe([3], output_type="pt", **kwargs).images
+    torch.testing.assert_close(images, (kept[-1] / 2 + 0.5).clamp(0, 1), rtol=0, atol=0)
+    assert not pipe([3], output_type="latent", **{**kwargs, "callback_on_step_end": None}).images.equal(out.images)
+    assert not pipe.interrupt  # every call starts uninterrupted
