@@ -11,7 +11,7 @@ import difflib
 import json
 import numbers
 from importlib import resources
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -47,6 +47,17 @@ def resolve_id2label(id2label: dict[Any, str] | None, transformer_config) -> dic
     return table
 
 
+def _flatten(label: Any) -> Iterator[Any]:
+    """The items of ``label`` in order, one level or many deep; a name or an id is one item."""
+    if torch.is_tensor(label) or isinstance(label, np.ndarray):
+        yield from label.reshape(-1).tolist()
+    elif isinstance(label, (str, bytes)) or not isinstance(label, Iterable):
+        yield label
+    else:
+        for item in label:
+            yield from _flatten(item)
+
+
 class LabelIndex:
     """Names (and their synonyms) -> class ids, for one id -> name table."""
 
@@ -70,20 +81,17 @@ class LabelIndex:
     def ids(self, label: str | int | Sequence[str | int], num_classes: int) -> list[int]:
         """Map names (case-insensitive) and/or class ids to class ids, validating each.
 
-        The null class id (``num_classes``) is accepted and gives unconditional samples.
+        Nested lists, tensors and arrays are flattened in order, as diffusers' DiTPipeline does
+        (``[[1], [2]]`` is ``[1, 2]``). The null class id (``num_classes``) is accepted and gives unconditional samples.
         Raises ValueError for an unknown name (with close names), an ambiguous one, an id
         out of range, or an empty list.
         """
-        if isinstance(label, (str, numbers.Integral)) or (torch.is_tensor(label) and label.ndim == 0):
-            label = [label]
-        elif torch.is_tensor(label) or isinstance(label, np.ndarray):
-            label = label.reshape(-1).tolist()
-        label = list(label)
+        label = list(_flatten(label))
         if not label:
             raise ValueError("class_labels is empty: pass at least one class id or name.")
         ids = []
         for item in label:
-            if torch.is_tensor(item) or isinstance(item, np.generic):
+            if isinstance(item, np.generic):
                 item = item.item()
             if isinstance(item, str):
                 ids.append(self.lookup(item, num_classes))

@@ -113,3 +113,19 @@ def test_interrupt_stops_the_loop_and_returns_the_latents_so_far(tiny_pipe):
     torch.testing.assert_close(images, (kept[-1] / 2 + 0.5).clamp(0, 1), rtol=0, atol=0)
     assert not pipe([3], output_type="latent", **{**kwargs, "callback_on_step_end": None}).images.equal(out.images)
     assert not pipe.interrupt  # every call starts uninterrupted
+
+
+# ---------------------------------------------------------------- nested labels
+
+
+def test_nested_class_labels_are_flattened(tiny_pipe):
+    """As DiTPipeline (``torch.tensor(class_labels).reshape(-1)``): ``[[1], [2]]`` is ``[1, 2]``;
+    names and ids mix at any depth."""
+    pipe = tiny_pipe(class_names=["airplane", "automobile", "bird", "cat"] + [f"c{i}" for i in range(4, 10)])
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=2, seeds=[0, 1, 2], output_type="latent")
+    flat = pipe([1, 2, 3], **kwargs).images
+    torch.testing.assert_close(pipe(class_labels=[[1], [2], [3]], **kwargs).images, flat, rtol=0, atol=0)
+    torch.testing.assert_close(pipe([(1, "bird"), ["cat"]], **kwargs).images, flat, rtol=0, atol=0)
+    assert pipe.get_label_ids([[torch.tensor(4)], [[5, "airplane"]]]) == [4, 5, 0]
+    with pytest.raises(ValueError, match="class_labels is empty"):
+        pipe([[]], num_inference_steps=2)
