@@ -575,11 +575,16 @@ class MoHDiTPipeline(DiffusionPipeline):
 
     def _step_kwargs(self, generator, eta: float) -> dict[str, Any]:
         params = set(inspect.signature(self.scheduler.step).parameters)
+        config = self.scheduler.config
         kwargs: dict[str, Any] = {}
         if "generator" in params:
             kwargs["generator"] = generator
         if "eta" in params:
             kwargs["eta"] = eta
+        # IDDPM's DDIM with clip_denoised re-derives eps from the clipped x0; diffusers' DDIM does so
+        # only when asked (otherwise it steps with the model's eps and a clipped x0, another sampler).
+        if "use_clipped_model_output" in params and (config.get("clip_sample") or config.get("thresholding")):
+            kwargs["use_clipped_model_output"] = True
         return kwargs
 
     def _prepare_run(

@@ -6,6 +6,8 @@ LoRA loading the diffusers way."""
 import pytest
 import torch
 
+from moh_dit.diffusion.gaussian_diffusion import create_diffusion
+
 STEPS = 3
 
 
@@ -129,3 +131,47 @@ def test_nested_class_labels_are_flattened(tiny_pipe):
     assert pipe.get_label_ids([[torch.tensor(4)], [[5, "airplane"]]]) == [4, 5, 0]
     with pytest.raises(ValueError, match="class_labels is empty"):
         pipe([[]], num_inference_steps=2)
+
+
+# ---------------------------------------------------------------- DDIM with clipping
+
+
+def iddpm_clipped_ddim(model, label, seed, steps, scale):
+    """IDDPM's ``ddim_sample_loop`` (eta 0) with ``clip_denoised=True`` on the ``"ddim{steps}"``
+    respacing (stride 1000 // steps when it divides 1000: 0, 200, ..., 800 for 5): x0 from the
+    diffusion's ``p_mean_variance`` (clamped to [-1, 1]), eps re-derived from that clipped x0,
+    x_prev = sqrt(abar_prev) x0 + sqrt(1 - abar_prev) eps (Song et al. 2021, Eq. 12)."""
+    diffusion = create_diffusion(sampling_steps=list(range(0, 1000, 1000 // steps)))
+    abar, abar_prev = diffusion.table("alphas_cumprod"), diffusion.table("alphas_cumprod_prev")
+    size, null = model.config.sample_size, model.config.num_classes
+    x = torch.randn((1, 3, size, size), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        for index in reversed(range(diffusion.num_timesteps)):
+            t = diffusion.timestep_map[index].reshape(1)
+            out = model(torch.cat([x, x]), t.expand(2), torch.tensor([label, null])).sample
+            cond, uncond = out[:, :3].chunk(2)
+            model_out = torch.cat([uncond + scale * (cond - uncond), out[:1, 3:]], dim=1)
+            i = torch.tensor([index])
+            x0 = diffusion.p_mean_variance(model_out, x, i, clip_denoised=True)["pred_xstart"]
+            a, a_prev = abar[index].float(), abar_prev[index].float()
+            eps = (x - a.sqrt() * x0) / (1 - a).sqrt()
+            x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps
+    return x
+
+
+def test_clipped_ddim_is_iddpm_clipped_ddim(tmp_path, tiny_pipe):
+    """``load_pipeline(pixel_model, scheduler="ddim")`` clips (pixel model) and re-derives eps from
+    the clipped x0, as IDDPM's DDIM does; without that re-derivation the images differ."""
+    from moh_dit.sampling.sample import load_pipeline
+
+    tiny_pipe().transformer.save_pretrained(tmp_path)
+    pipe = load_pipeline(tmp_path, scheduler="ddim")
+    assert pipe.vae is None and pipe.scheduler.config.clip_sample
+    ours = pipe([6], guidance_scale=2.0, num_inference_steps=5, seeds=[3], output_type="latent").images
+    ref = iddpm_clipped_ddim(pipe.transformer, label=6, seed=3, steps=5, scale=2.0)
+    assert ref.abs().max() <= 1.0 + 1e-6 and ref.abs().max() > 0.5
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    original = pipe.scheduler.step
+    pipe.scheduler.step = lambda *a, **k: original(*a, **{**k, "use_clipped_model_output": False})
+    unclipped_eps = pipe([6], guidance_scale=2.0, num_inference_steps=5, seeds=[3], output_type="latent").images
+    assert (unclipped_eps - ref).abs().max() > 1e-3

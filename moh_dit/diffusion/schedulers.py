@@ -56,6 +56,10 @@ def make_scheduler(
     ``clip_sample`` clamps the predicted x0 to [-1, 1] (IDDPM's ``clip_denoised``). It is off
     by default because DiT samples latents, which are not bounded (DiT's sample.py passes
     ``clip_denoised=False``); pixel-space models trained on [-1, 1] images may turn it on.
+    DDPM's step with clipping is IDDPM's as it stands. IDDPM's DDIM also re-derives eps from the
+    clipped x0, which diffusers' ``DDIMScheduler.step`` does only with
+    ``use_clipped_model_output=True``: ``MoHDiTPipeline`` passes it whenever the scheduler clips
+    (or thresholds); a caller stepping the scheduler itself has to pass it too.
     """
     common = dict(
         num_train_timesteps=num_train_timesteps, beta_schedule="linear", beta_start=beta_start, beta_end=beta_end,
