@@ -19,7 +19,10 @@ Follows diffusers' ``DiTPipeline`` (one ``__call__``, ``randn_tensor`` with gene
 * ``seeds``: one seed per image for the initial noise *and* every DDPM step's noise, so
   image ``i`` does not depend on the batch it was drawn in;
 * pixel-space models (no VAE) as well as latent ones;
-* NaN / inf latents raise an error naming the first bad step (:mod:`moh_dit.pipelines.finite_watch`).
+* NaN / inf latents raise an error naming the first bad step (:mod:`moh_dit.pipelines.finite_watch`);
+* diffusers' conventions where users extend a pipeline: the call's state as properties that a step
+  callback reads and changes (``guidance_scale``, ``num_timesteps``, ``_interrupt``), and LoRA
+  loading on the pipeline (``load_lora_weights``, ... via :class:`MoHDiTLoraLoaderMixin`).
 
 The module path ``moh_dit.pipelines.pipeline_moh_dit`` is written into saved
 ``model_index.json`` files; keep it stable.
@@ -40,6 +43,7 @@ import numpy as np
 import PIL.Image
 import torch
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.loaders import SanaLoraLoaderMixin
 from diffusers.models import AutoencoderKL
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
@@ -61,6 +65,7 @@ from .labels import LabelIndex, imagenet_id2label, resolve_id2label
 __all__ = [
     "MoHDiTPipeline",
     "MoHDiTPipelineOutput",
+    "MoHDiTLoraLoaderMixin",
     "NonFiniteLatentsError",
     "make_scheduler",
     "imagenet_id2label",
@@ -137,7 +142,35 @@ class _SamplingRun:
     step_top_k: list[list[int]] = dataclasses.field(default_factory=list)
 
 
-class MoHDiTPipeline(DiffusionPipeline):
+class MoHDiTLoraLoaderMixin(SanaLoraLoaderMixin):
+    """LoRA on the pipeline, the diffusers way: ``load_lora_weights(path_or_dict, adapter_name=...)``,
+    ``save_lora_weights(dir, transformer_lora_layers=...)`` (a classmethod), ``unload_lora_weights``,
+    ``set_adapters``, ``fuse_lora`` / ``unfuse_lora``, ``get_active_adapters``, ...
+
+    The transformer is the one component that carries a LoRA. diffusers' transformer-only loader does
+    all the work (Sana's mixin is that loader, with no model-specific key conversion); it hands the
+    weights to ``MoHDiTTransformer2DModel.load_lora_adapter``. Needs the optional ``peft`` when
+    called, not when imported.
+    """
+
+    _lora_loadable_modules = ["transformer"]
+    transformer_name = "transformer"
+
+    @classmethod
+    def lora_state_dict(cls, pretrained_model_name_or_path_or_dict, **kwargs: Any):
+        """diffusers' reader, which also takes the transformer's own LoRA files: what
+        ``pipe.transformer.save_lora_adapter`` writes has no ``transformer.`` prefix on its keys,
+        which diffusers would skip with a warning, loading nothing."""
+        loaded = super().lora_state_dict(pretrained_model_name_or_path_or_dict, **kwargs)
+        state_dict, metadata = loaded if isinstance(loaded, tuple) else (loaded, None)
+        prefix = f"{cls.transformer_name}."
+        if state_dict and not any(key.startswith(prefix) for key in state_dict):
+            state_dict = {prefix + key: value for key, value in state_dict.items()}
+            metadata = {prefix + key: value for key, value in metadata.items()} if metadata else metadata
+        return (state_dict, metadata) if isinstance(loaded, tuple) else state_dict
+
+
+class MoHDiTPipeline(DiffusionPipeline, MoHDiTLoraLoaderMixin):
     r"""Class-conditional image generation with a ``MoHDiTTransformer2DModel``.
 
     Args:
@@ -169,6 +202,8 @@ class MoHDiTPipeline(DiffusionPipeline):
     >>> pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
     >>> images = pipe(["tench"], num_inference_steps=25, seeds=[0]).images
     >>> pipe.save_pretrained("moh-dit-xl-2-90-pipeline")  # transformer, VAE, scheduler, id2label
+    >>> pipe.load_lora_weights("my-lora-folder", adapter_name="style")  # diffusers' LoRA API (needs peft)
+    >>> pipe.unload_lora_weights()
     ```
     """
 

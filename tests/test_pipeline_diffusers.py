@@ -175,3 +175,83 @@ def test_clipped_ddim_is_iddpm_clipped_ddim(tmp_path, tiny_pipe):
     pipe.scheduler.step = lambda *a, **k: original(*a, **{**k, "use_clipped_model_output": False})
     unclipped_eps = pipe([6], guidance_scale=2.0, num_inference_steps=5, seeds=[3], output_type="latent").images
     assert (unclipped_eps - ref).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+def add_lora(pipe, seed=7):
+    """A LoRA on the attention projections with non-zero weights (peft starts lora_B at zero);
+    lora_alpha != r, so a lost alpha would show."""
+    from peft import LoraConfig
+
+    pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pipe.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return pipe
+
+
+def test_lora_weights_load_into_the_pipeline_the_diffusers_way(tmp_path, tiny_pipe):
+    """What the pipeline's ``save_lora_weights`` or the transformer's ``save_lora_adapter`` wrote,
+    ``load_lora_weights`` puts into a fresh pipeline (its images equal the adapter-carrying
+    pipeline's); ``unload_lora_weights`` gives the base images back; ``set_adapters`` scales and
+    ``fuse_lora`` / ``unfuse_lora`` merge and unmerge."""
+    pytest.importorskip("peft")
+    from peft.utils import get_peft_model_state_dict
+
+    from moh_dit import MoHDiTPipeline
+
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=2, seeds=[0, 1], output_type="latent")
+    base = tiny_pipe()([1, 2], **kwargs).images
+    pipe = add_lora(tiny_pipe())
+    lora = pipe([1, 2], **kwargs).images
+    assert (lora - base).abs().max() > 1e-2
+    layers = get_peft_model_state_dict(pipe.transformer)
+    MoHDiTPipeline.save_lora_weights(tmp_path / "pipeline", transformer_lora_layers=layers,
+                                     transformer_lora_adapter_metadata=pipe.transformer.peft_config["default"].to_dict())
+    pipe.transformer.save_lora_adapter(tmp_path / "transformer")  # keys without the "transformer." prefix
+    for folder in ("pipeline", "transformer"):
+        fresh = tiny_pipe()
+        fresh.load_lora_weights(tmp_path / folder, adapter_name="style")
+        assert fresh.get_active_adapters() == ["style"]
+        torch.testing.assert_close(fresh([1, 2], **kwargs).images, lora, rtol=0, atol=0)
+        fresh.unload_lora_weights()
+        torch.testing.assert_close(fresh([1, 2], **kwargs).images, base, rtol=0, atol=0)
+    # A state dict without metadata loads with alpha = r: set_adapters' weight 2 gives alpha / r = 8 / 4 back.
+    fresh = tiny_pipe()
+    fresh.load_lora_weights({f"transformer.{k}": v for k, v in layers.items()}, adapter_name="style")
+    fresh.set_adapters("style", adapter_weights=2.0)
+    torch.testing.assert_close(fresh([1, 2], **kwargs).images, lora, rtol=0, atol=0)
+    fresh.fuse_lora()
+    torch.testing.assert_close(fresh([1, 2], **kwargs).images, lora, rtol=1e-4, atol=1e-4)
+    assert fresh.num_fused_loras == 1
+    fresh.unfuse_lora()
+    fresh.unload_lora_weights()
+    torch.testing.assert_close(fresh([1, 2], **kwargs).images, base, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_pipeline_imports_without_peft():
+    """peft is optional: without it the pipeline imports and samples, and the LoRA calls say they need it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['peft'] = None\n"
+        "from moh_dit import MoHDiTPipeline, MoHDiTTransformer2DModel\n"
+        "from moh_dit.pipelines.pipeline_moh_dit import make_scheduler\n"
+        "m = MoHDiTTransformer2DModel.from_preset('MoH-DiT-Tiny', sample_size=8).eval()\n"
+        "pipe = MoHDiTPipeline(transformer=m, scheduler=make_scheduler())\n"
+        "print(tuple(pipe([1], num_inference_steps=1, output_type='latent').images.shape))\n"
+        "try:\n"
+        "    pipe.load_lora_weights({})\n"
+        "except ValueError as error:\n"
+        "    print(error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    shape, error = result.stdout.strip().splitlines()
+    assert shape == "(1, 3, 8, 8)" and "PEFT" in error
