@@ -5,6 +5,9 @@ the layer's gates, top-K and statistics, and every computation path (dense-maske
 head-sparse) gives the default path's result with a LoRA in place, or steps aside.
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
@@ -174,7 +177,7 @@ def lora_model(randomize, attach):
     return model
 
 
-@pytest.mark.parametrize("attach", ["peft"])
+@pytest.mark.parametrize("attach", ["peft", "add_adapter"])
 def test_every_path_sees_the_lora(randomize, attach):
     """Each path with the LoRA gives the default path's output with the LoRA (a path that
     would read the raw weights steps aside), and differs from the same path without it."""
@@ -193,3 +196,80 @@ def test_every_path_sees_the_lora(randomize, attach):
         use_path(model, path)
         assert close(run(model, x, t, y).sample, ref), path
         assert not close(run(base, x, t, y).sample, ref), path
+
+
+# ------------------------------------------------------------------ diffusers' LoRA API
+def test_lora_adapter_api(randomize, tmp_path):
+    """add_adapter, set_adapters, disable/enable_adapters, save_lora_adapter and
+    load_lora_adapter into a fresh model."""
+    pytest.importorskip("peft")
+    x, t, y = inputs(tiny(randomize))
+    base = run(tiny(randomize), x, t, y).sample
+    model = lora_model(randomize, "add_adapter")
+    model.set_head_activation_ratio(None)
+    lora = run(model, x, t, y).sample
+    assert not close(lora, base)
+    model.disable_adapters()
+    assert torch.equal(run(model, x, t, y).sample, base)
+    model.enable_adapters()
+    assert torch.equal(run(model, x, t, y).sample, lora)
+    model.set_adapters("default", 0.0)
+    assert close(run(model, x, t, y).sample, base)
+    model.set_adapters("default", 1.0)
+    model.save_lora_adapter(tmp_path)
+    fresh = tiny(randomize)
+    fresh.load_lora_adapter(tmp_path, prefix=None, use_safetensors=True)  # diffusers' model-level call
+    assert torch.equal(run(fresh, x, t, y).sample, lora)
+
+
+def test_training_a_lora_leaves_the_base_weights(randomize):
+    """A few optimiser steps on the LoRA parameters alone change the output, reach the
+    routers' LoRA through the gates, and leave every base weight as it was."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    model = tiny(randomize)
+    base_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    x, t, y = inputs(model)
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS))
+    before = run(model, x, t, y).sample
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert params and all(p.requires_grad for p in params)
+    assert all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    model.train()
+    for step in range(3):
+        out = model(x, t, y, force_drop_ids=torch.zeros_like(y))
+        loss = (out.sample - step).square().mean() + 0.01 * out.load_balance_loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    router_lora = model.transformer_blocks[3].attn1.router_routed.lora_A["default"].weight
+    assert router_lora.grad.abs().sum() > 0
+    assert not close(run(model.eval(), x, t, y).sample, before)
+    after = model.state_dict()
+    for key, value in base_weights.items():
+        lora_key = key.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
+        assert torch.equal(after.get(key, after.get(lora_key)), value), key
+
+
+@pytest.mark.slow
+def test_the_model_works_without_peft():
+    """peft is an optional extra: without it the model imports, builds and runs, and the
+    LoRA API says to install peft."""
+    code = (
+        "import sys; sys.modules['peft'] = None\n"
+        "import torch\n"
+        "from moh_dit import MoHDiTTransformer2DModel\n"
+        "m = MoHDiTTransformer2DModel.from_preset('MoH-DiT-Tiny/2', sample_size=8).eval()\n"
+        "print(tuple(m(torch.randn(1, 3, 8, 8), 10, torch.tensor([1])).sample.shape))\n"
+        "try:\n"
+        "    m.add_adapter(None)\n"
+        "except ValueError as error:\n"
+        "    print(error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    shape, error = result.stdout.strip().splitlines()
+    assert shape == "(1, 6, 8, 8)" and "install" in error and "peft" in error

@@ -5,8 +5,9 @@ gates, the dense-masked computation, ``MoHAttention``) is in ``attention.py``, t
 head layout in ``layout.py``; ``MoHAttention``, ``MoHAttnProcessor``, ``MoHRouting``,
 ``SparseInferencePolicy``, ``min_top_k`` and ``top_k_for_ratio`` are re-exported here. Shared
 pieces come from diffusers: ``PatchEmbed``, ``AdaLayerNormZero``, ``FeedForward``,
-``Timesteps`` / ``TimestepEmbedding`` / ``LabelEmbedding``, and ``AttentionMixin``
-(``attn_processors`` / ``set_attn_processor``).
+``Timesteps`` / ``TimestepEmbedding`` / ``LabelEmbedding``, ``AttentionMixin``
+(``attn_processors`` / ``set_attn_processor``) and ``PeftAdapterMixin`` (LoRA: ``add_adapter``,
+``load_lora_adapter``, ...; needs the optional ``peft``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.loaders import PeftAdapterMixin
 from diffusers.models.attention import AttentionMixin, FeedForward
 from diffusers.models.embeddings import CombinedTimestepLabelEmbeddings, PatchEmbed, Timesteps
 from diffusers.models.modeling_utils import ModelMixin
@@ -135,8 +137,12 @@ class MoHDiTTransformer2DModelOutput(BaseOutput):
     head_usage: list[torch.Tensor] | None = None
 
 
-class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin, AttentionMixin):
+class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin, AttentionMixin, PeftAdapterMixin):
     """Class-conditional DiT with Mixture-of-Head attention (or dense attention).
+
+    diffusers' LoRA API works on it (``add_adapter``, ``set_adapters``, ``disable_adapters``,
+    ``save_lora_adapter``; ``load_lora_adapter(folder, prefix=None, use_safetensors=True)``
+    reads what ``save_lora_adapter`` wrote); adapters may target the routers too (docs/lora.md).
 
     Args:
         sample_size: input height and width (latent pixels).
@@ -342,8 +348,10 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin, AttentionMixin):
         enough for skipping to pay (at most half its heads active, tokens x inner width >=
         256 x 768; smaller work is faster dense-masked).
         Either way a layer whose tokens select more than the sparse processor's
-        ``dense_above`` of its routed heads, and any call inside an autocast region, runs
-        dense-masked (``fast_paths.choose_path`` decides, per layer and call).
+        ``dense_above`` of its routed heads, a layer with a processor other than
+        ``MoHAttnProcessor`` or with an adapter (LoRA) on a projection, and any call inside an
+        autocast region, runs its processor instead (dense-masked by default;
+        ``fast_paths.choose_path`` decides, per layer and call).
         Training mode always uses the dense-masked path. A dense DiT ignores the setting.
 
         ``strategy`` (optional) sets how the head-sparse path works on every layer:
