@@ -82,9 +82,9 @@ class LabelIndex:
         """Map names (case-insensitive) and/or class ids to class ids, validating each.
 
         Nested lists, tensors and arrays are flattened in order, as diffusers' DiTPipeline does
-        (``[[1], [2]]`` is ``[1, 2]``). The null class id (``num_classes``) is accepted and gives unconditional samples.
-        Raises ValueError for an unknown name (with close names), an ambiguous one, an id
-        out of range, or an empty list.
+        (``[[1], [2]]`` is ``[1, 2]``). The null class id (``num_classes``) is accepted and gives
+        unconditional samples. Raises ValueError for an unknown name (with close names), an
+        ambiguous one, an id out of range, or an empty list.
         """
         label = list(_flatten(label))
         if not label:
