@@ -75,6 +75,8 @@ def test_quiet_and_verbose_set_the_package_log_level(capsys):
 
 # Commands whose output is a file (evaluate's JSON), not a folder: no --output-dir.
 WRITES_A_FILE = {"evaluate"}
+# Commands that write no output of their own (app serves a page; its files go to a temporary folder).
+WRITES_NOTHING = {"app"}
 def _parser(load_script, name, monkeypatch):
     """The parser that ``moh-dit <name>`` builds, caught before it parses anything."""
     made = []
@@ -146,7 +148,7 @@ def test_every_long_flag_parses_in_its_underscore_spelling(name, load_script, mo
     assert checked >= 1
 
 
-@pytest.mark.parametrize("name", [n for n in COMMANDS if n not in WRITES_A_FILE])
+@pytest.mark.parametrize("name", [n for n in COMMANDS if n not in WRITES_A_FILE | WRITES_NOTHING])
 def test_every_command_writing_a_folder_takes_output_dir(name, load_script, monkeypatch):
     parser = _parser(load_script, name, monkeypatch)
     assert "--output-dir" in parser._option_string_actions, "not a flag"

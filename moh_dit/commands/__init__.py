@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "the whole job offline on the CPU, on data the package draws"),
     "upcycle-demo": ("upcycle_demo", "upcycling against training from scratch, at demo scale"),
     "plot-head-usage": ("plot_head_usage", "figures of which heads each layer uses (from samples or a training log)"),
+    "app": ("app", "a local web app: sample at any head ratio, with the head usage beside the images"),
 }
 
 
