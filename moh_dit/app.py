@@ -44,7 +44,7 @@ from .pipelines.pipeline_moh_dit import MoHDiTPipeline
 from .utils.speed import peak_flops
 
 __all__ = ["AppLimits", "MoHApp", "RatioResult", "AppResult", "build_app", "default_limits", "require_gradio",
-           "MAX_RATIOS", "SAVED_SCHEDULER"]
+           "MAX_RATIOS", "SAVED_SCHEDULER", "SPACE_BUNDLE", "space_files", "space_card"]
 
 MAX_RATIOS = 3  # ratios side by side in one request
 SAVED_SCHEDULER = "saved"  # the scheduler the pipeline came with
@@ -370,7 +370,8 @@ def build_app(pipe: MoHDiTPipeline, *, title: str | None = None, limits: AppLimi
             if index < len(result.ratios):
                 r = result.ratios[index]
                 panels += [gr.Column(visible=True), _ratio_heading(index, r),
-                           [(str(p), c) for p, c in zip(r.shown, r.captions)],
+                           gr.Gallery([(str(p), c) for p, c in zip(r.shown, r.captions)],  # a row per class
+                                      columns=min(len(result.settings["seeds"]), 6)),
                            str(r.figure) if r.figure is not None else None]
             else:
                 panels += [gr.Column(visible=False), "", [], None]
@@ -416,9 +417,9 @@ def build_app(pipe: MoHDiTPipeline, *, title: str | None = None, limits: AppLimi
                 with gr.Column(visible=False) as column:
                     heading = gr.Markdown(elem_id=f"heading_{index + 1}")
                     gallery = gr.Gallery(label=f"ratio {index + 1}", format="png", columns=4, object_fit="contain",
-                                         elem_id=f"gallery_{index + 1}")
-                    figure = gr.Image(label="head usage", format="png", type="filepath", interactive=False,
-                                      elem_id=f"usage_{index + 1}")
+                                         height="auto", elem_id=f"gallery_{index + 1}")
+                    figure = gr.Image(label="head usage", show_label=False, format="png", type="filepath",
+                                      interactive=False, elem_id=f"usage_{index + 1}")
                 panels += [column, heading, gallery, figure]
         with gr.Row():
             download = gr.File(label="images (as the pipeline made them), figures and settings.json",
@@ -432,3 +433,59 @@ def build_app(pipe: MoHDiTPipeline, *, title: str | None = None, limits: AppLimi
     demo._moh_workdir = holder  # removed with the Blocks (or at exit)
     return demo
 
+
+# ------------------------------------------------------------------------------ an exported folder as a Space
+
+SPACE_BUNDLE = "app_moh_dit"  # module file of an export that holds this module and what it imports
+# What app.py runs, when moh-dit is not installed, besides Gradio (which a Space brings).
+_SPACE_REQUIREMENTS = ("torch", "diffusers", "safetensors", "numpy", "pillow", "matplotlib", "tqdm")
+_SPACE_APP = '''"""The moh-dit app on this folder's pipeline: a Hugging Face Space (Gradio SDK), or `python app.py`."""
+
+from pathlib import Path
+
+import torch
+
+try:  # moh-dit installed
+    from moh_dit.app import build_app
+    from moh_dit.pipelines.pipeline_moh_dit import MoHDiTPipeline
+except ImportError:  # this folder's own copy of the code ({bundle}.py, written by moh-dit export --app)
+    from {bundle} import MoHDiTPipeline, build_app
+
+pipe = MoHDiTPipeline.from_pretrained(Path(__file__).resolve().parent)
+pipe.to("cuda" if torch.cuda.is_available() else "cpu")
+pipe.set_progress_bar_config(disable=True)
+demo = build_app(pipe, title={title!r})
+
+if __name__ == "__main__":
+    demo.launch()
+'''
+
+
+def space_files(title: str) -> dict[str, str]:
+    """``app.py`` and ``requirements.txt`` of an exported folder that runs as a Gradio app (a Hugging
+    Face Space); ``app.py`` imports moh-dit when it is installed, else the folder's
+    ``{SPACE_BUNDLE}.py`` (this module and what it imports, one file, which the export writes)."""
+    return {"app.py": _SPACE_APP.format(title=title, bundle=SPACE_BUNDLE),
+            "requirements.txt": "\n".join(_SPACE_REQUIREMENTS) + "\n"}
+
+
+def space_card(card: str, gradio_version: str | None = None) -> str:
+    """A model card (``---`` YAML header first) that is also a Space's README: the Space keys
+    (``sdk: gradio``, ``app_file: app.py``, and ``sdk_version``: ``gradio_version``, by default the
+    installed Gradio's, left out without one) in its header, and a line on running the app before
+    its citation."""
+    if gradio_version is None:
+        from importlib import metadata
+
+        try:
+            gradio_version = metadata.version("gradio")
+        except metadata.PackageNotFoundError:
+            pass
+    keys = ["sdk: gradio", "app_file: app.py"] + ([f"sdk_version: {gradio_version}"] if gradio_version else [])
+    if not card.startswith("---\n"):
+        raise ValueError("the model card has no YAML header (---) to add the Space's keys to.")
+    card = "---\n" + "\n".join(keys) + "\n" + card[4:]
+    note = ("## App\n\n`python app.py` (with gradio installed) opens a page that samples this model at any head "
+            "activation ratio, with the head usage beside the images; the folder also runs as a Hugging Face Space "
+            "(Gradio SDK). It uses moh-dit when installed, else this folder's own code.\n\n")
+    return card.replace("## Citation", note + "## Citation", 1) if "## Citation" in card else card + "\n" + note

@@ -2,6 +2,7 @@
 library's messages for bad input, the limits, the Blocks' handler, the command; and, with RUN_SLOW=1,
 the page in headless Chromium (Debian's chromium and chromium-driver)."""
 
+import base64
 import io
 import json
 import os
@@ -162,7 +163,8 @@ def test_the_blocks_handler_shows_library_errors_and_keeps_serving(tiny_pipe, tm
     assert [row[1] for row in summary] == [0.75, 1.0]
     assert len(panels) == 4 * MAX_RATIOS
     assert [p.visible for p in panels[::4]] == [True, True, False]  # the third ratio is off
-    assert "realised **0.7500**" in panels[1] and len(panels[2]) == 2 and panels[2][0][1] == "red circle, seed 0"
+    assert "realised **0.7500**" in panels[1] and panels[2].columns == 1  # a row per class
+    assert [item["caption"] for item in panels[2].value] == ["red circle, seed 0", "red triangle, seed 0"]
     out = pipe([0, 3], guidance_scale=1.0, num_inference_steps=2, head_activation_ratio=0.75, seeds=[0, 0])
     assert record["ratios"][0]["head_usage"] == [u.tolist() for u in out.head_usage]
     # A schedule typed in its box replaces its slider.
@@ -205,11 +207,73 @@ def test_the_command_serves_this_machine_only_by_default(tiny_pipe, tmp_path, lo
 
 
 # --------------------------------------------------------------------------------------
+# moh-dit export --app: the folder runs as a Gradio app (a Hugging Face Space)
+# --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def exported_app(tiny_pipe, tmp_path_factory):
+    from moh_dit.hub.export import export_pipeline
+
+    root = tmp_path_factory.mktemp("export")
+    _tiny(tiny_pipe).save_pretrained(root / "model")
+    return export_pipeline(root / "model", root / "moh-dit-tiny", app=True, progress=False)
+
+
+def test_export_app_writes_a_space(exported_app, tiny_pipe, tmp_path):
+    from moh_dit.hub.export import export_pipeline
+
+    out = exported_app
+    card = (out / "README.md").read_text()
+    header = card.split("---\n")[1]
+    assert "sdk: gradio\napp_file: app.py\n" in header and "license: apache-2.0" in header  # a Space's keys
+    assert "## App" in card and "- `app.py`" in card and "- `app_moh_dit.py`" in card
+    info = json.loads((out / "export_info.json").read_text())
+    assert "moh_dit.app" in info["bundled_modules"]["app_moh_dit.py"] and "app_moh_dit.py" in info["code_sha256"]
+    app = (out / "app.py").read_text()
+    assert "from app_moh_dit import MoHDiTPipeline, build_app" in app and "'moh-dit-tiny'" in app
+    compile(app, "app.py", "exec")
+    assert "diffusers" in (out / "requirements.txt").read_text().split()
+    # Without --app the export is as before.
+    _tiny(tiny_pipe).save_pretrained(tmp_path / "model")
+    plain = export_pipeline(tmp_path / "model", tmp_path / "plain", progress=False)
+    assert not {"app.py", "app_moh_dit.py", "requirements.txt"} & {p.name for p in plain.iterdir()}
+    assert "sdk:" not in (plain / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_exported_app_runs_from_the_folder_alone(exported_app):
+    """The folder's app.py with moh-dit made unimportable: the bundled code loads the pipeline,
+    builds the page and samples what the package's pipeline samples."""
+    pytest.importorskip("gradio")
+    code = (
+        "import json, runpy, sys\n"
+        "sys.modules['moh_dit'] = None  # as on a Space, where moh-dit is not installed\n"
+        "page = runpy.run_path('app.py')\n"
+        "assert page['MoHDiTPipeline'].__module__ == 'app_moh_dit', page['MoHDiTPipeline'].__module__\n"
+        "handler = next(f.fn for f in page['demo'].fns.values() if f.api_name == 'generate')\n"
+        "_, numbers, download, *_ = handler([2], 7, 1, 1.0, 3, 'saved', True, 0.5, '', False, 1.0, '', False, 1.0, '')\n"
+        "import base64, zipfile\n"
+        "record = json.loads(numbers)\n"
+        "png = zipfile.ZipFile(download).read(record['ratios'][0]['images'][0])  # the app's folder goes at exit\n"
+        "print(json.dumps({'record': record, 'png': base64.b64encode(png).decode()}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=exported_app, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    pipe = MoHDiTPipeline.from_pretrained(exported_app)
+    out = pipe([2], guidance_scale=1.0, num_inference_steps=3, head_activation_ratio=0.5, seeds=[7])
+    assert result["record"]["ratios"][0]["head_usage"] == [u.tolist() for u in out.head_usage]
+    image = PIL.Image.open(io.BytesIO(base64.b64decode(result["png"])))
+    assert np.array_equal(np.asarray(image), np.asarray(out.images[0]))
+
+
+# --------------------------------------------------------------------------------------
 # In a real browser
 # --------------------------------------------------------------------------------------
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-BROWSER_STEPS = 4
+BROWSER_STEPS = 25  # DDPM steps: the demo model's images are clear at 25
 
 
 def _free_port() -> int:
@@ -304,11 +368,13 @@ class Page:
             box = self.css("#classes input")[0]
             box.click()
             box.send_keys(name)
-            options = [o for o in self.css("#classes ul.options li") if o.text.endswith(name)]
+            options = [o for o in self.css("li[data-testid=dropdown-option]")
+                       if (o.get_attribute("aria-label") or "").endswith(name)]
             if options:
                 options[0].click()
             else:
                 box.send_keys(self.Keys.ENTER)
+            self.css("#classes input")[0].send_keys(self.Keys.ESCAPE)  # close the list
         return [t.text for t in self.css("#classes .token")]
 
     def type_into(self, selector, value):
@@ -341,23 +407,25 @@ class Page:
 def test_the_page_shows_the_pipelines_images_and_head_usage(served, browser, tmp_path):
     url, pipe = served
     page = Page(browser, url)
-    names = pipe.id2label
-    first = names.get(0, "0")
+    names = pipe.id2label or {0: "0", 1: "1"}
+    classes = [min(names), max(names)]
     low, high = pipe.transformer.head_activation_range
-    shown = page.pick_classes(first)
-    assert len(shown) == 1 and shown[0].endswith(first)
+    shown = page.pick_classes(*(names[i] for i in classes))  # one searched and clicked in the list each
+    assert len(shown) == 2 and all(text.endswith(names[i]) for text, i in zip(shown, classes))
     page.type_into("#seeds input[type=number]", 3)
     page.type_into("#steps input[type=number]", BROWSER_STEPS)
-    page.type_into("#guidance input", 2)
+    page.type_into("#guidance input", 3)
     page.type_into("#ratio_1 input[type=number]", low)  # ratio 1: the fewest heads; ratio 2: every head
     page.generate()
-    page.wait(lambda: len(page.css("#gallery_2 img")) == 3 and page.numbers(), 600, "no images after Generate")
+    page.wait(lambda: len(page.css("#gallery_2 img")) == 6 and page.numbers(), 600, "no images after Generate")
     record = json.loads(page.numbers())
     assert [r["requested"] for r in record["ratios"]] == [low, high]
     for index, ratio in enumerate((low, high)):
-        out = pipe([0] * 3, guidance_scale=2.0, num_inference_steps=BROWSER_STEPS, head_activation_ratio=ratio,
-                   seeds=[0, 1, 2])
-        for image, made in zip(page.shown_images(index + 1), out.images):
+        out = pipe([classes[0]] * 3 + [classes[1]] * 3, guidance_scale=3.0, num_inference_steps=BROWSER_STEPS,
+                   head_activation_ratio=ratio, seeds=[0, 1, 2] * 2)
+        images = page.shown_images(index + 1)
+        assert len(images) == 6
+        for image, made in zip(images, out.images):
             scale = image.shape[0] // made.height
             assert scale >= 1 and np.array_equal(image, np.repeat(np.repeat(np.asarray(made), scale, 0), scale, 1))
         numbers = record["ratios"][index]

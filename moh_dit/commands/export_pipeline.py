@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--license", default="apache-2.0",
                         help="Hub license id for the card (default apache-2.0; converted DiT weights are cc-by-nc-4.0)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in --output-dir")
+    parser.add_argument("--app", action="store_true",
+                        help="also write app.py (and its code): the folder runs as a Gradio app and a Hugging Face "
+                             "Space (docs/app.md)")
     return parser.parse_args(argv)
 
 
@@ -56,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
     folder = export_pipeline(
         args.model, args.output_dir, vae=args.vae, variant=args.variant, sweep=args.sweep, metrics=args.metrics,
         head_usage=args.head_usage, push_to_hub=args.push_to_hub, overwrite=args.overwrite, license=args.license,
-        private=True if args.private else None, progress=info_enabled(),
+        private=True if args.private else None, progress=info_enabled(), app=args.app,
     )
     logger.info(f"Wrote {folder}: load it with DiffusionPipeline.from_pretrained({str(folder)!r}, trust_remote_code=True)")
     if args.push_to_hub:

@@ -39,6 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import __version__
+from ..app import SPACE_BUNDLE, space_card, space_files
 from .bundle import bundle_module
 from .export_format import PIPELINE_MODULE, TRANSFORMER_MODULE
 from ..utils.io import publish_folder, sha256_file, write_bytes_atomic, write_json_atomic
@@ -197,11 +198,13 @@ def _rewrite_index(folder: Path) -> None:
     write_json_atomic(path, index, sort_keys=True)
 
 
-def _write_code(folder: Path) -> dict[str, list[str]]:
-    """The pipeline's and the transformer's one-file modules; returns file -> bundled modules."""
+def _write_code(folder: Path, app: bool = False) -> dict[str, list[str]]:
+    """The pipeline's and the transformer's one-file modules (and, with ``app``, the app's: docs/app.md);
+    returns file -> bundled modules."""
     written = {}
     for file, entry in ((f"{PIPELINE_MODULE}.py", "moh_dit.pipelines.pipeline_moh_dit"),
-                        (f"transformer/{TRANSFORMER_MODULE}.py", "moh_dit.models.transformer_moh_dit")):
+                        (f"transformer/{TRANSFORMER_MODULE}.py", "moh_dit.models.transformer_moh_dit"),
+                        *([(f"{SPACE_BUNDLE}.py", "moh_dit.app")] if app else [])):
         bundle = bundle_module(entry, __version__)
         write_bytes_atomic(folder / file, bundle.source.encode("utf-8"))
         written[file] = list(bundle.modules)
@@ -310,6 +313,7 @@ def export_pipeline(
     private: bool | None = None,
     token: str | None = None,
     progress: bool = True,
+    app: bool = False,
 ) -> Path:
     """Export ``model`` (see :func:`resolve_model`) as a self-contained pipeline folder ``output``.
 
@@ -319,17 +323,20 @@ def export_pipeline(
     model card; ``head_usage``: a ``moh-dit plot-head-usage`` output, whose figure goes into
     the folder and the card (default: the sweep's ``head_usage/``, when it has one). ``push_to_hub``: a Hub repository id to upload the finished folder to
     (``private`` / ``token`` for a new repository). ``overwrite`` replaces an earlier export
-    (never another folder). ``license``: the Hub license id in the card. Returns ``output``.
+    (never another folder). ``license``: the Hub license id in the card. ``app``: also write
+    ``app.py`` and its code, so that the folder runs as a Gradio app and a Hugging Face Space
+    (:func:`moh_dit.app.space_files`, docs/app.md). Returns ``output``.
     Raises ValueError / FileNotFoundError / FileExistsError for bad arguments (before any
     work) and :class:`HubPushError` when the folder is written but the push failed.
     """
     request = _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, overwrite, license, head_usage)
     with hold_output_folder(request.output, "export", "--output-dir"):
-        _export(request, overwrite, private, token, progress)
+        _export(request, overwrite, private, token, progress, app)
     return request.output
 
 
-def _export(request: _Request, overwrite: bool, private: bool | None, token: str | None, progress: bool) -> None:
+def _export(request: _Request, overwrite: bool, private: bool | None, token: str | None, progress: bool,
+            app: bool = False) -> None:
     """The checked export: load, write the folder beside ``request.output`` and publish it, push it."""
     vae, variant, push_to_hub, license = request.vae, request.variant, request.repo_id, request.license
     stages = ["load", "weights", "code", "card"] + (["push"] if push_to_hub else [])
@@ -342,7 +349,9 @@ def _export(request: _Request, overwrite: bool, private: bool | None, token: str
         _write_weights(pipe, tmp, variant)
         _rewrite_index(tmp)
         bar.update()
-        code = _write_code(tmp)
+        code = _write_code(tmp, app)
+        for name, text in (space_files(request.output.name) if app else {}).items():
+            write_bytes_atomic(tmp / name, text.encode("utf-8"))
         usage, figure = request.head_usage or (None, None)
         if figure is not None:
             write_bytes_atomic(tmp / HEAD_USAGE_PLOT, figure)
@@ -350,6 +359,7 @@ def _export(request: _Request, overwrite: bool, private: bool | None, token: str
         card = model_card(pipe, title=request.output.name, repo=push_to_hub or str(request.output), license=license,
                           record=source.record, metrics=request.metrics, sweep=request.sweep, variant=variant,
                           files=sorted(_files(tmp) + ["README.md", INFO_FILE]), head_usage=usage)
+        card = space_card(card) if app else card
         write_bytes_atomic(tmp / "README.md", card.encode("utf-8"))
         write_json_atomic(tmp / INFO_FILE, {
             "exported_by": EXPORTED_BY, "moh_dit_version": __version__, "diffusers_version": diffusers.__version__,
