@@ -132,7 +132,7 @@ def test_train_and_extract_latents_at_512_px(model_512, tmp_path, load_script):
     train = load_script("train")
     assert train.cli([*common, "--data-dir", str(data), "--vae", str(model_512 / "vae"), "--image-size", "512",
                       "--output-dir", str(tmp_path / "run")]) == 0
-    trained = MoHDiTTransformer2DModel.from_pretrained(tmp_path / "run" / "final")
+    trained = MoHDiTTransformer2DModel.from_pretrained(tmp_path / "run" / "final", subfolder="transformer")
     assert (trained.config.sample_size, trained.config.in_channels) == (64, 4)
 
     assert load_script("extract_latents").cli(["--data-dir", str(data), "--vae", str(model_512 / "vae"),
@@ -141,6 +141,7 @@ def test_train_and_extract_latents_at_512_px(model_512, tmp_path, load_script):
     index = json.loads((tmp_path / "latents" / "index.json").read_text())
     assert index["latent_shape"] == [4, 64, 64]
     assert train.cli([*common, "--latents-dir", str(tmp_path / "latents"), "--output-dir", str(tmp_path / "run2")]) == 0
-    weights = load_file(tmp_path / "run2" / "final" / "diffusion_pytorch_model.safetensors")
+    weights = load_file(tmp_path / "run2" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
     assert weights["pos_embed.proj.weight"].shape[1] == 4
-    assert MoHDiTTransformer2DModel.from_pretrained(tmp_path / "run2" / "final").config.sample_size == 64
+    trained = MoHDiTTransformer2DModel.from_pretrained(tmp_path / "run2" / "final", subfolder="transformer")
+    assert trained.config.sample_size == 64

@@ -52,7 +52,7 @@ def _run_demo(tmp_path, capsys):
     assert 0.0 <= summary["classifier_held_out_accuracy"] <= 1.0 and set(summary["class_accuracy"]) == {
         row["ratio"] for row in sweep["rows"]}
     assert (tmp_path / "demo" / "classifier" / "classifier.json").exists()
-    assert (tmp_path / "demo" / "run" / "final" / "config.json").exists()
+    assert (tmp_path / "demo" / "run" / "final" / "transformer" / "config.json").exists()
     # The folder is marked as the demo's (a rerun continues it; another folder is refused), and no
     # lock is left beside it.
     from moh_dit.utils.output_folders import OUTPUT_MARKER

@@ -1,7 +1,7 @@
 """Exported pipeline folders: diffusers loads them without moh-dit, with the same images.
 
-A tiny latent MoH-DiT with a tiny VAE is saved as a training run (``final/`` and
-``train_config.json``) and exported. A subprocess in which ``import moh_dit`` raises loads the
+A tiny latent MoH-DiT with a tiny VAE is saved as a training run (``final/``, a pipeline folder
+with the run's VAE, and ``train_config.json``) and exported without ``vae``. A subprocess in which ``import moh_dit`` raises loads the
 export with ``DiffusionPipeline.from_pretrained(DIR, trust_remote_code=True)`` and samples; its
 images must equal, bit for bit, those of the in-process ``MoHDiTPipeline`` it was made from.
 Since the folder's module files are generated from the package's source at export time, this
@@ -46,10 +46,11 @@ def _sample(pipe, **kwargs):
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory, tiny_pipe, tiny_vae):
-    """A training run folder of a latent MoH-DiT-Tiny, its VAE folder, and the in-process pipeline."""
+    """A training run folder of a latent MoH-DiT-Tiny (final/ as training writes it: a pipeline
+    folder with the VAE), its VAE folder, and the in-process pipeline."""
     root = tmp_path_factory.mktemp("source")
     pipe = tiny_pipe(vae=tiny_vae(std=0.05), in_channels=4, class_names=CLASSES)
-    pipe.transformer.save_pretrained(root / "run" / "final")
+    pipe.save_pretrained(root / "run" / "final")
     (root / "run" / "train_config.json").write_text(json.dumps(RECORD))
     pipe.vae.save_pretrained(root / "vae")
     return root, pipe
@@ -74,7 +75,7 @@ def exported(source, results, tmp_path_factory):
                 results / "sweep")
     write_head_usage(HEAD_USAGE, results / "usage", "head usage")
     out = tmp_path_factory.mktemp("exports") / "moh-dit-tiny"
-    export_pipeline(root / "run", out, vae=str(root / "vae"), variant="bf16", metrics=results / "metrics.json",
+    export_pipeline(root / "run", out, variant="bf16", metrics=results / "metrics.json",
                     sweep=results / "sweep", head_usage=results / "usage", progress=False)
     return out
 
@@ -88,7 +89,7 @@ HEAD_USAGE = HeadUsage(overall=[[1.0] * 4, [1.0, 1.0, 0.2, 0.8], [1.0, 0.5, 0.25
 def test_a_sweeps_head_usage_goes_into_the_card_without_the_flag(source, results, exported, tmp_path):
     root, _ = source  # `exported` wrote the sweep folder
     write_head_usage(HEAD_USAGE, results / "sweep" / "head_usage", "head usage")
-    out = export_pipeline(root / "run", tmp_path / "export", vae=str(root / "vae"), sweep=results / "sweep",
+    out = export_pipeline(root / "run", tmp_path / "export", sweep=results / "sweep",
                           progress=False)
     assert (out / "head_usage.png").is_file() and "## Head usage" in (out / "README.md").read_text()
 

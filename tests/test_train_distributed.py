@@ -114,7 +114,7 @@ def test_two_processes_killed_run_resumes_exactly_and_holds_its_folder(tmp_path,
 
     record = json.loads((killed / "train_config.json").read_text())
     assert record["num_processes"] == 2
-    for name in ("final/diffusion_pytorch_model.safetensors", "checkpoints/step-0000004/model.safetensors",
+    for name in ("final/transformer/diffusion_pytorch_model.safetensors", "checkpoints/step-0000004/model.safetensors",
                  "checkpoints/step-0000004/ema.safetensors"):
         a, b = load_file(whole / name), load_file(killed / name)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), name

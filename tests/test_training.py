@@ -51,7 +51,7 @@ def data(tmp_path_factory):
 def test_pixel_space_training_writes_run_folder(tmp_path, data):
     final = train(config(tmp_path, data, sample_every=4, sample_steps=3))
     run = tmp_path / "run"
-    model = MoHDiTTransformer2DModel.from_pretrained(final)
+    model = MoHDiTTransformer2DModel.from_pretrained(final, subfolder="transformer")
     assert model.config.class_names == ["blue", "green", "red"] and model.config.num_classes == 3
     assert model.config.in_channels == 3 and model.config.sample_size == 16
     assert json.loads((run / "class_index.json").read_text()) == {"blue": 0, "green": 1, "red": 2}
@@ -70,7 +70,7 @@ def test_vae_and_latent_cache_training(tmp_path, data, tiny_vae):
     vae_dir = tmp_path / "vae"
     tiny_vae().save_pretrained(vae_dir)
     final = train(config(tmp_path, data, vae=str(vae_dir), max_steps=2, output_dir=str(tmp_path / "vae_run")))
-    model = MoHDiTTransformer2DModel.from_pretrained(final)
+    model = MoHDiTTransformer2DModel.from_pretrained(final, subfolder="transformer")
     assert model.config.in_channels == 4 and model.config.sample_size == 8
 
     from moh_dit.data.latents import extract_latents
@@ -79,7 +79,7 @@ def test_vae_and_latent_cache_training(tmp_path, data, tiny_vae):
     # The image size and VAE are the cache's: left out here, recorded as the cache's.
     final = train(config(tmp_path, None, data_dir=None, latents_dir=str(tmp_path / "latents"), max_steps=2,
                          output_dir=str(tmp_path / "latent_run"), vae=None, image_size=None))
-    model = MoHDiTTransformer2DModel.from_pretrained(final)
+    model = MoHDiTTransformer2DModel.from_pretrained(final, subfolder="transformer")
     assert model.config.in_channels == 4 and model.config.sample_size == 8 and model.config.num_classes == 3
     record = json.loads((tmp_path / "latent_run" / "train_config.json").read_text())
     assert record["image_size"] == 16 and record["vae"] == str(vae_dir)
@@ -167,8 +167,8 @@ def test_resume_is_exact_after_a_crash(tmp_path, data, monkeypatch):
     assert log_steps(tmp_path / "two") == [1, 2, 3, 4, 5, 6]
     assert log_steps(tmp_path / "two", "head_usage.jsonl") == [1, 2, 3, 4, 5, 6]
 
-    ema_one = load_file(tmp_path / "one" / "final" / "diffusion_pytorch_model.safetensors")
-    ema_two = load_file(tmp_path / "two" / "final" / "diffusion_pytorch_model.safetensors")
+    ema_one = load_file(tmp_path / "one" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
+    ema_two = load_file(tmp_path / "two" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
     assert set(ema_one) == set(ema_two) and all(torch.equal(ema_one[k], ema_two[k]) for k in ema_one)
     w_one = load_file(tmp_path / "one" / "checkpoints" / "step-0000006" / "model.safetensors")
     w_two = load_file(tmp_path / "two" / "checkpoints" / "step-0000006" / "model.safetensors")
@@ -369,9 +369,9 @@ def test_rerun_of_a_finished_command_keeps_the_run(tmp_path, data, load_script):
     """The finished run's final/ and checkpoints survive a refused rerun; --resume latest continues it."""
     run = tmp_path / "run"
     assert run_cli_train(load_script, cli_args(run, data)) == 0
-    final_before = (run / "final" / "diffusion_pytorch_model.safetensors").read_bytes()
+    final_before = (run / "final" / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
     assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 2)) == 1
-    assert (run / "final" / "diffusion_pytorch_model.safetensors").read_bytes() == final_before
+    assert (run / "final" / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes() == final_before
     assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 6, "--resume", "latest")) == 0
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step-0000004", "step-0000006"]
     assert log_steps(run) == [1, 2, 3, 4, 5, 6]
@@ -1186,6 +1186,36 @@ def test_a_latent_run_records_and_samples_with_the_caches_size_and_vae(tmp_path,
                                                   "--vae", vae, "--dry-run")) == 0
 
 
+def test_final_is_a_pipeline_folder_with_the_runs_vae_and_a_run_folder_stands_for_it(tmp_path, small_cache,
+                                                                                       load_script):
+    """final/ is diffusers' pipeline layout: the EMA model as transformer/, the paper's DDPM, the
+    cache's VAE (saved without --sample-every) and the class names. MoHDiTPipeline and load_pipeline
+    load it, load_pipeline and sample take the run folder, nobody passes the VAE again, and
+    --init-from takes it."""
+    from moh_dit import MoHDiTPipeline, load_pipeline
+
+    run = tmp_path / "run"
+    assert run_cli_train(load_script, latent_args(run, small_cache, "--max-steps", 1, "--checkpoint-every", 1)) == 0
+    final = run / "final"
+    pipe = MoHDiTPipeline.from_pretrained(final)
+    assert pipe.vae is not None and pipe.vae.config.block_out_channels == [8, 8]
+    assert pipe.scheduler.config.variance_type == "learned_range" and not pipe.scheduler.config.clip_sample
+    assert pipe.id2label == {0: "blue", 1: "green", 2: "red"}
+    ema = load_file(find_latest_checkpoint(run) / "ema.safetensors")
+    exported = load_file(final / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert set(ema) == set(exported) and all(torch.equal(ema[k], exported[k]) for k in ema)
+    assert load_pipeline(run).vae is not None
+    MoHDiTTransformer2DModel.from_pretrained(final, subfolder="transformer")
+    with pytest.raises(OSError, match=r'final is a pipeline folder.*subfolder="transformer"'):
+        MoHDiTTransformer2DModel.from_pretrained(final)
+    assert load_script("sample").cli(["--model", str(run), "--output-dir", str(tmp_path / "samples"), "--num-samples",
+                                      "2", "--num-inference-steps", "2", "--no-npz", "--quiet"]) == 0
+    assert Image.open(tmp_path / "samples" / "samples" / "000000.png").size == (16, 16)  # decoded by the run's VAE
+    # and a new run starts from it (its transformer)
+    assert run_cli_train(load_script, latent_args(tmp_path / "next", small_cache, "--max-steps", 1, "--init-from",
+                                                  final)) == 0
+
+
 @pytest.mark.parametrize("extra, match", [
     (["--image-size", 64], r"--image-size 64 does not match --latents-dir .*, which was made at 16 px; leave "
                            r"--image-size out"),
@@ -1377,4 +1407,4 @@ def test_a_full_disk_while_exporting_final_is_one_line_and_a_rerun_exports_it(tm
     assert sorted(p.name for p in run.iterdir() if "final" in p.name) == []  # no half-written export left
     monkeypatch.undo()
     assert run_cli_train(load_script, cli_args(run, data, "--resume", "latest")) == 0
-    assert (run / "final" / "config.json").is_file()
+    assert (run / "final" / "transformer" / "config.json").is_file()

@@ -159,7 +159,7 @@ def test_a_layout_of_its_own_trains_from_init_from_without_a_preset_and_resumes(
     init = load_file(custom / "diffusion_pytorch_model.safetensors")
     two = load_file(run / "checkpoints" / "step-0000002" / "model.safetensors")
     assert set(two) == set(init) and any(not torch.equal(two[k], init[k]) for k in init if ".to_q." in k)
-    final = MoHDiTTransformer2DModel.from_pretrained(run / "final")
+    final = MoHDiTTransformer2DModel.from_pretrained(run / "final", subfolder="transformer")
     assert (final.layer_shared, final.trained_top_k) == (LAYOUT["num_shared_heads"], LAYOUT["top_k"])
 
     # the resume takes the run's recorded model: no --preset, no --init-from; a preset or an

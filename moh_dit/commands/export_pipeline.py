@@ -30,8 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a training run folder (its final/ and train_config.json), a final/ folder, a pipeline "
                              "folder or a save_pretrained transformer folder")
     parser.add_argument("--vae", default=None,
-                        help="AutoencoderKL folder or Hub id, or 'none' (default: a pipeline folder's own; a latent "
-                             "transformer folder needs one)")
+                        help="AutoencoderKL folder or Hub id, or 'none' (default: a pipeline folder's own -- a run's, "
+                             "for a run folder; a latent transformer folder needs one)")
     parser.add_argument("--output-dir", required=True,
                         help="the folder to write (built aside and renamed when complete)")
     parser.add_alias("--output", "--output-dir")

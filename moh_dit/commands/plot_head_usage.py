@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-activation-ratio", type=float, help="run at this head activation (default: as trained)")
     p.add_argument("--seed", type=int, help="image i of every class uses seed + i (default 0)")
     p.add_argument("--timestep-bins", type=int, help="timestep ranges in the per-timestep view (default 4)")
-    p.add_argument("--vae", help="AutoencoderKL for a latent transformer folder (never run: latents are not decoded)")
+    p.add_argument("--vae", help="AutoencoderKL for a latent transformer folder (default: a pipeline folder's own, a "
+                   "run's for a run folder; never run: latents are not decoded)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="transformer dtype (default float32)")
     p.add_argument("--step-bins", type=int, default=4, help="with --log: ranges of training steps shown (default 4)")
@@ -79,27 +80,16 @@ def _check_flags(args: argparse.Namespace) -> None:
                          f"got {args.seed}.")
 
 
-def _model_folder(model: str) -> Path:
-    """``--model``'s model folder: a training run's ``final/``, or the folder itself."""
-    path = Path(model).expanduser()
-    if (path / "train_config.json").is_file() and not (path / "config.json").is_file():
-        if not (path / "final").is_dir():
-            raise FileNotFoundError(f"--model {model} is a training run without final/ (it has not finished); give "
-                                    "a checkpoint's model folder, or plot its log with --log.")
-        return path / "final"
-    return path
-
-
 def _check_paths(args: argparse.Namespace) -> tuple[Path | None, Path]:
     """The inputs exist and the output may be written; returns (model folder or None, output)."""
     from moh_dit.utils.output_folders import check_output_folder, check_outside_inputs
 
     model = None
     if args.model is not None:
-        from moh_dit.sampling.sample import check_model_flags
+        from moh_dit.sampling.sample import check_model_flags, model_folder
 
         check_model_flags(args.model, args.vae)
-        model = _model_folder(args.model)
+        model = model_folder(args.model)  # a training run's final/
     elif not Path(args.log).expanduser().exists():
         raise FileNotFoundError(f"--log {args.log} does not exist; give a run's head_usage.jsonl or its run folder.")
     out = Path(args.output_dir).expanduser()

@@ -4,6 +4,9 @@
         --num-samples 50000 --per-device-batch-size 32 --guidance-scale 1.5 \\
         --num-inference-steps 250 --head-activation-ratio 0.9 --output-dir samples/xl-90-cfg1.5
 
+--model is a pipeline folder, a training run's folder (its final/ pipeline, with the run's VAE:
+no --vae needed) or a save_pretrained transformer folder.
+
 Image i (class i mod num_classes, seed --seed + i) is the same for any number of devices
 and any batch size. To resume after a crash, run the same command again: finished PNGs
 are skipped, and a damaged one (cut short, or one the .npz writer cannot decode) is made
@@ -48,6 +51,7 @@ from moh_dit.sampling.sample import (
     check_seed_flags,
     check_settings,
     load_pipeline,
+    model_folder,
     preview_head_activation,
     remake_image,
     run_identity,
@@ -69,10 +73,13 @@ def ratio_or_schedule(text: str) -> float | str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a save_pretrained transformer folder or a MoHDiTPipeline folder")
+    parser.add_argument("--model", required=True,
+                        help="a MoHDiTPipeline folder, a training run folder (its final/) or a save_pretrained "
+                             "transformer folder")
     parser.add_argument("--vae", default=None,
                         help="AutoencoderKL path or Hub id, or 'none' for pixel-space models "
-                             "(default: the pipeline folder's own VAE; none for a transformer folder)")
+                             "(default: the pipeline folder's own VAE -- a run's, for a run folder; none for a "
+                             "transformer folder)")
     parser.add_argument("--output-dir", required=True,
                         help="output folder: samples/*.png, samples.npz, sample_config.json")
     parser.add_alias("--output", "--output-dir")  # the earlier name
@@ -128,7 +135,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.scheduler == "saved" and args.clip_sample != "auto":
         raise ValueError("--clip-sample applies to a scheduler built here; --scheduler saved keeps the saved "
                          "scheduler's own clipping. Leave --clip-sample out, or pick --scheduler ddpm|ddim.")
-    if args.scheduler is None and args.clip_sample != "auto" and (Path(args.model) / "model_index.json").is_file():
+    pipeline_folder = (model_folder(args.model) / "model_index.json").is_file()
+    if args.scheduler is None and args.clip_sample != "auto" and pipeline_folder:
         raise ValueError("--clip-sample applies to a scheduler built here; without --scheduler the pipeline folder's "
                          "own scheduler keeps its clipping. Leave --clip-sample out, or pick --scheduler ddpm|ddim.")
     if args.compile_mode is not None and not args.compile:
@@ -177,7 +185,7 @@ def sampler_record(args: argparse.Namespace, pipe) -> dict[str, str]:
     the scheduler (kept or built here) and the guidance, each as one sentence for the log and
     for ``sample_config.json``."""
     name = type(pipe.scheduler).__name__
-    if args.scheduler in (None, "saved") and (Path(args.model) / "model_index.json").is_file():
+    if args.scheduler in (None, "saved") and (model_folder(args.model) / "model_index.json").is_file():
         scheduler = f"the pipeline folder's own {name}"
     else:
         scheduler = f"{name} from make_scheduler({args.scheduler or 'ddpm'!r}) (not a saved scheduler)"

@@ -14,8 +14,9 @@ FLOPs, so that the two are compared at (nearly) equal cost:
 
 Writes OUTPUT_DIR/sweep.json (rows + settings), OUTPUT_DIR/sweep.csv and
 OUTPUT_DIR/fid_vs_ratio.png (FID and class accuracy against mean attention FLOPs, with 95%
-intervals: a bootstrap for FID, Wilson for class accuracy), and prints a table (not with --quiet). ``--model``: a pipeline folder or a save_pretrained transformer folder
-(pixel space, or give --vae). ``--ref``: ADM's reference batch or a folder / .npz of real
+intervals: a bootstrap for FID, Wilson for class accuracy), and prints a table (not with --quiet).
+``--model``: a pipeline folder, a training run's folder (its final/, with the run's VAE) or a
+save_pretrained transformer folder (pixel space, or give --vae). ``--ref``: ADM's reference batch or a folder / .npz of real
 images (e.g. the training ImageFolder for the demo). Without the published Inception weights
 the command stops with advice; ``--random-inception-seed N`` explicitly uses a random
 Inception instead, and everything is then labelled not comparable to published numbers.
@@ -62,7 +63,8 @@ logger = get_logger(__name__)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a MoHDiTPipeline folder or a save_pretrained transformer folder")
+    parser.add_argument("--model", required=True, help="a MoHDiTPipeline folder, a training run folder (its final/) or "
+                        "a save_pretrained transformer folder")
     parser.add_argument("--ref", required=True, help="ADM reference batch .npz, or an image folder / .npz of real images")
     parser.add_argument("--ratios", default=",".join(str(r) for r in DEFAULT_RATIOS),
                         help="comma-separated head activation ratios in (0, 1], 'trained', 'min' and schedules "
@@ -94,7 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-download", action="store_true", help="never try to download the Inception weights")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--vae", default=None,
-                        help="AutoencoderKL path or Hub id, or 'none' (default: the pipeline folder's own; none for a transformer folder)")
+                        help="AutoencoderKL path or Hub id, or 'none' (default: the pipeline folder's own -- a run's, "
+                             "for a run folder; none for a transformer folder)")
     parser.add_argument("--scheduler", choices=SCHEDULERS + ("saved",), default="ddpm",
                         help="ddpm: the paper's learned-variance DDPM (default); ddim; dpm; saved: a pipeline folder's own")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="transformer dtype (the VAE stays float32)")

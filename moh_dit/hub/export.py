@@ -46,7 +46,7 @@ from ..utils.io import publish_folder, sha256_file, write_bytes_atomic, write_js
 from .model_card import HEAD_USAGE_PLOT, model_card
 from ..utils.output_folders import OUTPUT_MARKER, check_outside_inputs, hold_output_folder, write_output_marker
 from .outputs import check_replaceable, local_path, naming_write_errors
-from ..sampling.sample import check_model_flags, load_pipeline
+from ..sampling.sample import check_model_flags, load_pipeline, model_folder
 from ..sampling.sweep_results import JSON_FILE as SWEEP_JSON
 from ..training.run_folder import RUN_RECORD
 
@@ -97,19 +97,15 @@ def _read_json(path: Path, flag: str, what: str) -> Any:
 
 
 def resolve_model(model: str | os.PathLike, vae: str | None = None) -> ExportSource:
-    """``--model``: a training run folder (its ``final/`` is exported and its
-    ``train_config.json`` goes into the card), a run's ``final/``, a pipeline folder or a
-    ``save_pretrained`` transformer folder. A latent transformer folder needs ``vae``."""
+    """``--model``: a training run folder (its ``final/`` pipeline, with the run's VAE, is
+    exported and its ``train_config.json`` goes into the card), a run's ``final/``, a pipeline
+    folder or a ``save_pretrained`` transformer folder. A latent transformer folder needs ``vae``."""
     check_model_flags(str(model), vae)
-    path = Path(model).expanduser()
-    record_path = None
-    if (path / RUN_RECORD).is_file():
-        if not (path / "final").is_dir():
-            raise FileNotFoundError(f"--model {model} is a training run without final/ (it has not finished); finish "
-                                    "it (run train.py again with --resume latest), then export it.")
-        record_path, path = path / RUN_RECORD, path / "final"
-    elif (path.parent / RUN_RECORD).is_file() and path.name == "final":
-        record_path = path.parent / RUN_RECORD
+    try:
+        path = model_folder(model)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"--model {error}") from None
+    record_path = path.parent / RUN_RECORD if path.name == "final" and (path.parent / RUN_RECORD).is_file() else None
     record = None
     if record_path is not None:
         record = _read_json(record_path, "--model", "a run folder whose train_config.json train.py wrote")

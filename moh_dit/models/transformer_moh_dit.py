@@ -13,6 +13,7 @@ pieces come from diffusers: ``PatchEmbed``, ``AdaLayerNormZero``, ``FeedForward`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -237,6 +238,17 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin, AttentionMixin, PeftAdap
     def from_preset(cls, name: str, **overrides: Any) -> "MoHDiTTransformer2DModel":
         """Build a randomly initialised model from a preset, e.g. ``from_preset("MoH-DiT-B/2-75")``."""
         return cls(**get_preset(name, **overrides))
+
+    @classmethod
+    def load_config(cls, pretrained_model_name_or_path, *args: Any, **kwargs: Any):
+        """``ConfigMixin.load_config``; a pipeline folder (a training run's ``final/``) given
+        without ``subfolder`` is refused in one line that says which subfolder holds the model."""
+        folder = Path(str(pretrained_model_name_or_path))
+        pipeline = (folder / "model_index.json").is_file() and not (folder / "config.json").is_file()
+        if pipeline and not kwargs.get("subfolder"):
+            raise OSError(f"{folder} is a pipeline folder, not a model folder: pass subfolder=\"transformer\" to load "
+                          "its transformer.")
+        return super().load_config(pretrained_model_name_or_path, *args, **kwargs)
 
     def initialize_weights(self) -> None:
         """DiT's initialisation: xavier-uniform linears with zero bias, patch embedding as a

@@ -51,6 +51,7 @@ from ..diffusion.schedulers import SCHEDULERS, make_scheduler
 from ..pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SEED_RANGE, MoHDiTPipeline
 from ..models.config_checks import check_transformer_config_file
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
+from ..training.run_folder import RUN_RECORD
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -73,6 +74,7 @@ __all__ = [
     "save_png_atomic",
     "write_adm_npz",
     "load_pipeline",
+    "model_folder",
     "head_activation",
     "preview_head_activation",
     "run_identity",
@@ -201,6 +203,18 @@ def quantize_dit(images: torch.Tensor) -> np.ndarray:
 # --------------------------------------------------------------------------------------
 
 
+def model_folder(model: str | os.PathLike) -> Path:
+    """The model folder that ``model`` names: for a training run's folder (it holds
+    ``train_config.json``), the run's ``final/`` pipeline folder; else ``model`` itself."""
+    path = Path(model).expanduser()
+    if not (path / RUN_RECORD).is_file():
+        return path
+    if not (path / "final").is_dir():
+        raise FileNotFoundError(f"{model} is a training run without final/ (it has not finished); finish it (moh-dit "
+                                "train with --resume latest), or give a model folder.")
+    return path / "final"
+
+
 def load_pipeline(
     model: str | os.PathLike,
     vae: str | None = None,
@@ -208,10 +222,12 @@ def load_pipeline(
     clip_sample: bool | None = None,
     dtype: str | torch.dtype = "float32",
 ) -> MoHDiTPipeline:
-    """A pipeline from a ``save_pretrained`` transformer folder or a whole pipeline folder.
+    """A pipeline from a pipeline folder, a training run's folder (its ``final/``, a pipeline
+    folder) or a ``save_pretrained`` transformer folder.
 
     ``vae``: a path or Hub id of an ``AutoencoderKL``, ``"none"`` for a pixel-space model, or
-    None (a pipeline folder keeps its own; a transformer folder must be pixel-space).
+    None (a pipeline folder -- a run's ``final/`` too -- keeps its own; a transformer folder
+    must be pixel-space).
     ``scheduler``: None (or ``"saved"``) keeps a pipeline folder's own scheduler, so that this
     gives the same images as ``MoHDiTPipeline.from_pretrained(model)``; a transformer folder, which
     has none, gets the paper's DDPM. ``"ddpm"`` / ``"ddim"`` / ``"dpm"`` replace it with
@@ -220,7 +236,7 @@ def load_pipeline(
     ones (DiT's sampler does not clip) and for DPM-Solver (which has no clipping).
     ``dtype`` applies to the transformer; the VAE stays in float32.
     """
-    model = Path(model)
+    model = model_folder(model)
     if isinstance(dtype, str) and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; choose one of {list(DTYPES)}.")
     if scheduler not in SCHEDULERS + ("saved", None):

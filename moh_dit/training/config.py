@@ -148,8 +148,8 @@ class TrainConfig:
                                    "one that is asked for must be installed", choices=REPORT_TO)
     model_overrides: dict[str, Any] = field(default_factory=dict)
     init_from: str | None = option(None, "start a new run from the weights of a saved model folder "
-                                   "(moh-dit upcycle's output, a run's final/); new optimiser, EMA starting as a "
-                                   "copy of them; not with --resume")
+                                   "(moh-dit upcycle's output; a run's final/ or another pipeline folder: its "
+                                   "transformer); new optimiser, EMA starting as a copy of them; not with --resume")
     router_warmup_steps: int = option(0, "MoH presets: train only the router parameters for the first N steps "
                                       "(default: %(default)s)")
     compile: bool = option(False, "torch.compile the transformer (the first steps take longer while it compiles; "
@@ -330,7 +330,7 @@ class TrainConfig:
             if self.resume is not None:
                 raise ValueError("--init-from starts a new run from a model's weights and --resume continues a run "
                                  "from its checkpoint (which holds the weights); give one of them.")
-            if not (Path(self.init_from) / "config.json").is_file():
+            if not (model_dir(self.init_from) / "config.json").is_file():
                 raise ValueError(f"--init-from {self.init_from!r} is not a saved model folder (no config.json); give "
                                  "a folder written by save_pretrained, moh-dit upcycle or a run's final/.")
         steps = self.router_warmup_steps
@@ -339,6 +339,13 @@ class TrainConfig:
         if steps and self.preset is not None and PRESETS[self.preset].get("num_shared_heads") is None:
             raise ValueError(f"--router-warmup-steps {steps}: {self.preset} is a dense DiT without routers; use a MoH "
                              "preset or drop the flag.")
+
+
+def model_dir(folder: str | Path) -> Path:
+    """The model folder of a saved model: ``folder`` itself, or the ``transformer/`` of a pipeline
+    folder (a training run's ``final/``)."""
+    folder = Path(folder)
+    return folder / "transformer" if (folder / "model_index.json").is_file() else folder
 
 
 def _same_vae(given: str, recorded: str) -> bool:

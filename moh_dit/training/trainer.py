@@ -4,7 +4,8 @@
 decide about the run folder (busy? whose run? where to resume from?), build the data, the
 latent space and the model, claim the folder, build the EMA, optimiser and schedule. Resume:
 load the checkpoint, then record the run. Loop: one optimiser step per batch, then its log,
-sample grid (with a MoH model's head-usage figure) and checkpoint. Finish: export ``OUT/final``. Everything that can refuse the run
+sample grid (with a MoH model's head-usage figure) and checkpoint. Finish: export ``OUT/final``, a
+pipeline folder (transformer, scheduler, VAE, class names). Everything that can refuse the run
 happens before anything is written; the run folder's decisions are the main process's,
 handed to all (:func:`~.checkpoints.on_main`).
 
@@ -33,15 +34,17 @@ from torch.utils.data import DataLoader
 from ..data.datasets import ImageFolderDataset, ResumableSampler, collate_skip_corrupt, write_class_index
 from ..data.latents import LatentDataset, load_vae, vae_downsample_factor
 from ..diffusion.gaussian_diffusion import create_diffusion
+from ..diffusion.schedulers import make_scheduler
 from ..models.presets import get_preset, resolve_layer_layout
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
+from ..pipelines.pipeline_moh_dit import MoHDiTPipeline
 from ..utils.io import atomic_write, naming_write_errors, publish_folder
 from ..utils.output_folders import write_output_marker
 from ..utils.logging import get_logger, info_enabled
 from ..utils.runtime import set_tf32
 from ..utils.speed import compile_model, peak_flops, training_flops_per_image
 from .checkpoints import Parts, TrainState, everywhere, load_checkpoint, on_main, save_checkpoint
-from .config import TrainConfig, TrainingDivergedError, check_batch_memory, warn
+from .config import TrainConfig, TrainingDivergedError, check_batch_memory, model_dir, warn
 from .run_folder import (FolderLock, Plan, claim_folder, normalized, probe_and_plan, record_run, recorded_model,
                          run_identity, with_run_preset)
 from .schedules import build_lr_scheduler, ema_decay_at
@@ -118,8 +121,8 @@ def train(cfg: TrainConfig) -> Path:
                 last_checkpoint = save_checkpoint(parts, cfg, state.step, run)
         log.close()
 
-        # Finish: OUT/final.
-        return _export_final(cfg, parts, data.class_to_idx)
+        # Finish: OUT/final, a pipeline folder.
+        return _export_final(cfg, parts, space, data.class_to_idx)
     finally:
         lock.release()
 
@@ -239,8 +242,7 @@ def _build_data(cfg: TrainConfig, accelerator) -> _Data:
 class LatentSpace:
     """What the model denoises: latents of ``vae`` scaled by ``scaling`` (encoded on the fly),
     a latent cache's (``vae`` None, already scaled), or pixels (both None). ``decoder`` turns
-    latents into images for the sample grids: ``vae``, or the cache's VAE (loaded only when
-    the run samples)."""
+    latents into images (the sample grids, and final/'s pipeline): ``vae``, or the cache's VAE."""
 
     shape: tuple[int, int, int]  # (C, h, w)
     vae: Any | None
@@ -251,17 +253,16 @@ class LatentSpace:
 def _build_latent_space(cfg: TrainConfig, dataset, device: torch.device) -> LatentSpace:
     """A latent cache's space, pixels (``--vae none``), or the VAE's latents (the VAE loaded here)."""
     if cfg.latents_dir is not None:
-        decoder = None
-        if cfg.sample_every:  # the grids show images, decoded with the VAE the cache was made with
-            if not cfg.vae:
-                raise ValueError(f"--latents-dir {cfg.latents_dir} does not record its VAE, which --sample-every "
-                                 "needs to decode the sample grids; give it with --vae, or drop --sample-every.")
-            try:
-                decoder = load_vae(cfg.vae, cfg.vae_subfolder, device=device)
-            except FileNotFoundError as error:
-                raise FileNotFoundError(f"{error} --sample-every decodes the sample grids with the VAE of "
-                                        f"--latents-dir {cfg.latents_dir}: make it available, or drop "
-                                        "--sample-every.") from None
+        # The VAE the cache was made with: final/ saves it as the pipeline's vae, and the sample
+        # grids decode with it. Loaded now, so that a missing one stops the run before any work.
+        if not cfg.vae:
+            raise ValueError(f"--latents-dir {cfg.latents_dir} does not record its VAE, which final/ saves as the "
+                             "pipeline's vae; give it with --vae.")
+        try:
+            decoder = load_vae(cfg.vae, cfg.vae_subfolder, device=device)
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"{error} final/ saves the VAE of --latents-dir {cfg.latents_dir} as the "
+                                    "pipeline's vae: make it available (a local folder with --vae).") from None
         return LatentSpace(tuple(dataset.latent_shape), None, dataset.scaling_factor, decoder)
     if cfg.pixel_space:
         return LatentSpace((3, cfg.image_size, cfg.image_size), None, None)
@@ -304,7 +305,7 @@ def _architecture(cfg: TrainConfig, recorded: dict | None) -> dict[str, Any]:
         return get_preset(cfg.preset)
     if cfg.init_from is not None:
         try:
-            config = MoHDiTTransformer2DModel.load_config(cfg.init_from)
+            config = MoHDiTTransformer2DModel.load_config(model_dir(cfg.init_from))
         except (OSError, ValueError) as error:
             raise ValueError(f"--init-from {cfg.init_from}: cannot read its config.json ({type(error).__name__}: "
                              f"{str(error).splitlines()[0] if str(error) else ''}).") from None
@@ -335,7 +336,7 @@ def _load_init_weights(cfg: TrainConfig, model: MoHDiTTransformer2DModel, model_
     """``--init-from``: the saved model's weights into ``model``, once its layout is the one
     the preset builds for this data (every constructor argument but class names and dropout)."""
     try:
-        source = MoHDiTTransformer2DModel.from_pretrained(cfg.init_from)
+        source = MoHDiTTransformer2DModel.from_pretrained(model_dir(cfg.init_from))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"--init-from {cfg.init_from}: cannot load the model ({type(error).__name__}: "
                          f"{str(error).splitlines()[0] if str(error) else ''}).") from None
@@ -659,18 +660,23 @@ def sample_grid(model, diffusion, num_classes: int, latent_shape, vae=None, step
 # --------------------------------------------------------------------------------------
 
 
-def _export_final(cfg: TrainConfig, parts: Parts, class_to_idx: dict[str, int]) -> Path:
-    """``OUT/final``: the EMA model and its class map, published whole by the main process."""
+def _export_final(cfg: TrainConfig, parts: Parts, space: LatentSpace, class_to_idx: dict[str, int]) -> Path:
+    """``OUT/final``: a pipeline folder in diffusers' layout -- the EMA model as ``transformer/``,
+    the paper's DDPM as ``scheduler/``, the run's VAE as ``vae/`` (none for pixel space) and the
+    class names as ``id2label`` -- with the class map, published whole by the main process."""
     accelerator = parts.accelerator
     if parts.state.images_skipped:
         _say(accelerator, f"Skipped {parts.state.images_skipped} unreadable images (--on-corrupt skip).")
     final = Path(cfg.output_dir) / "final"
     if accelerator.is_main_process:
+        # IDDPM clips predicted images to [-1, 1] in pixel space; DiT does not clip latents.
+        scheduler = make_scheduler("ddpm", clip_sample=space.decoder is None)
+        pipe = MoHDiTPipeline(transformer=parts.ema, scheduler=scheduler, vae=space.decoder)
         # Replaces only this run's previous export: a refused start protects any other.
         try:
             with publish_folder(final, replace=True) as tmp:
                 with naming_write_errors(final):  # a full disk names final/, not the temporary folder
-                    parts.ema.save_pretrained(tmp, safe_serialization=True)
+                    pipe.save_pretrained(tmp, safe_serialization=True)
                     write_class_index(class_to_idx, tmp / "class_index.json")
                     write_output_marker(tmp, "train")
         except OSError as error:
