@@ -634,6 +634,20 @@ def test_resume_from_an_older_checkpoint_into_the_same_folder_is_refused(tmp_pat
     assert sorted(p.name for p in (tmp_path / "branch" / "checkpoints").iterdir()) == ["step-0000003"]
 
 
+def test_resume_takes_diffusers_checkpoint_name(tmp_path, data, load_script, refuses, capsys):
+    """--resume_from_checkpoint checkpoint-2 (diffusers' examples' name; also step-2) resumes the
+    run's checkpoint of step 2; a step without a checkpoint is refused, naming the steps there."""
+    run = tmp_path / "run"
+    train(config(tmp_path, data, max_steps=2))
+    capsys.readouterr()
+    assert run_cli_train(load_script, cli_args(run, data, "--resume_from_checkpoint", "checkpoint-2", "--dry-run")) == 0
+    assert re.search(r"would resume from .*checkpoints/step-0000002 \(step 2\)", capsys.readouterr().err)
+    refuses("train", cli_args(run, data, "--resume", "checkpoint-3"), r"--resume checkpoint-3: .*checkpoints holds no "
+            r"checkpoint of step 3 \(its steps: 2\)")
+    train(config(tmp_path, data, resume="step-2"))
+    assert log_steps(run) == [2, 4] and find_latest_checkpoint(run).name == "step-0000004"
+
+
 def test_a_file_system_without_locks_is_a_clear_error(tmp_path, data, load_script, monkeypatch, capsys):
     """NFS mounted without lock support answers flock with ENOLCK: stop, naming the lock file."""
     import errno

@@ -4,7 +4,7 @@ One CPU or GPU:   moh-dit train --preset MoH-DiT-Tiny --data-dir demo_data --vae
                       --output-dir runs/demo --max-steps 1500 --global-batch-size 32 --ema-warmup
 Many GPUs/nodes:  accelerate launch --multi_gpu --num_processes 8 -m moh_dit.commands train --preset MoH-DiT-XL/2-90 \
                       --latents-dir imagenet_latents --output-dir runs/xl --global-batch-size 256
-To resume, run the same command again with --resume latest.
+To resume, run the same command again with --resume latest (or --resume checkpoint-N: the checkpoint of step N).
 From weights:     moh-dit train --init-from dit-xl-2-up75 --router-warmup-steps 2000 \
                       --latents-dir imagenet_latents --output-dir runs/up75   (the architecture is the folder's
                       config.json, so an upcycled layout needs no preset; a --preset given must match it; resume

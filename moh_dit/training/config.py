@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +33,8 @@ DEFAULT_IMAGE_SIZE = 256
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 # The run's EMA would still be more than this share of the initial weights at the end: warn.
 EMA_STALE_SHARE = 0.1
+# --resume by name: diffusers' example scripts' checkpoint-N, or this trainer's folder name step-N.
+CHECKPOINT_NAME = re.compile(r"(?:checkpoint|step)-(\d+)")
 
 logger = get_logger(__name__)
 
@@ -121,7 +124,8 @@ class TrainConfig:
     checkpoints_total_limit: int | None = option(
         2, "keep this many newest checkpoints of this run (0: all; default: %(default)s)", from_flag=_zero_is_none)
     resume: str | None = option(None, "'latest' (the newest intact checkpoint of --output-dir; falls back past "
-                                "damaged ones) or a checkpoint folder", aliases=("--resume_from_checkpoint",))
+                                "damaged ones), checkpoint-N (its checkpoint of step N, as in diffusers' scripts) or "
+                                "a checkpoint folder", aliases=("--resume_from_checkpoint",))
     mixed_precision: str | None = option(
         None, "default: accelerate's choice (accelerate launch --mixed_precision or its config, which set "
         "ACCELERATE_MIXED_PRECISION), else no", choices=MIXED_PRECISIONS)
@@ -228,8 +232,10 @@ class TrainConfig:
         check_installed(self.report_to)
         if self.on_corrupt not in ON_CORRUPT:
             raise ValueError(f"--on-corrupt must be error or skip, got {self.on_corrupt!r}.")
-        if self.resume not in (None, "latest") and not Path(self.resume).is_dir():
-            raise ValueError(f"--resume {self.resume!r} is neither 'latest' nor an existing checkpoint folder.")
+        if self.resume not in (None, "latest") and not Path(self.resume).is_dir() and \
+                not CHECKPOINT_NAME.fullmatch(self.resume):
+            raise ValueError(f"--resume {self.resume!r} is neither 'latest', checkpoint-N nor an existing checkpoint "
+                             "folder.")
         self._validate_init()
         self._validate_compile()
         self._validate_folders()

@@ -25,8 +25,8 @@ from ..utils.io import (FileLockedError, LinkRefusedError, lock_file, read_lock_
                         write_lines_atomic, write_lock_info)
 from ..utils.output_folders import is_package_output, write_output_marker
 from .checkpoints import checkpoint_folders, checkpoint_run_id, complete_checkpoints, verify_checkpoint
-from .config import (DEFAULT_GLOBAL_BATCH_SIZE, CheckpointIntegrityError, RunFolderBusyError, TrainConfig,
-                     check_batch_memory, data_source, warn)
+from .config import (CHECKPOINT_NAME, DEFAULT_GLOBAL_BATCH_SIZE, CheckpointIntegrityError, RunFolderBusyError,
+                     TrainConfig, check_batch_memory, data_source, warn)
 
 RUN_RECORD = "train_config.json"
 LOCK_FILE = ".lock"
@@ -193,6 +193,13 @@ def plan_run(cfg: TrainConfig) -> Plan:
             notes.append(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet, starting from scratch.")
     else:
         folder = Path(cfg.resume)
+        if not folder.is_dir():  # checkpoint-N: this folder's checkpoint of step N
+            step = int(CHECKPOINT_NAME.fullmatch(cfg.resume).group(1))
+            found = dict(checkpoint_folders(out / "checkpoints"))
+            if step not in found:
+                raise FileNotFoundError(f"--resume {cfg.resume}: {out / 'checkpoints'} holds no checkpoint of step "
+                                        f"{step} (its steps: {', '.join(map(str, sorted(found))) or 'none'}).")
+            folder = found[step]
         try:
             marker = verify_checkpoint(folder)
         except CheckpointIntegrityError as error:
