@@ -427,6 +427,9 @@ def test_resume_with_another_preset_or_data_is_refused(tmp_path, data, load_scri
     refuses("train", cli_args(run, other, "--resume", "latest"), rf"{re.escape(str(other))}.*{re.escape(str(data))}")
     refuses("train", cli_args(run, data, "--resume", run / "checkpoints" / "step-0000002", "--image-size", 8),
             r"sample_size")
+    args = cli_args(run, data, "--resume", "latest")
+    args[args.index("--vae") + 1] = "stabilityai/sd-vae-ft-mse"  # other latents of the same data
+    refuses("train", args, r"--vae stabilityai/sd-vae-ft-mse does not match .*--vae none; resume with --vae none")
     assert json.loads((run / "train_config.json").read_text())["preset"] == "MoH-DiT-Tiny"
 
 
@@ -940,6 +943,32 @@ def test_accumulated_run_with_ema_warmup_and_cosine_resumes_exactly(tmp_path, da
     for run in ("one", "two"):
         lrs = [json.loads(line)["lr"] for line in (tmp_path / run / "train_log.jsonl").read_text().splitlines()]
         assert lrs == pytest.approx(expected, rel=1e-12, abs=1e-15), run
+
+
+def test_a_resume_with_other_settings_applies_them_says_so_and_keeps_every_segment(tmp_path, data, load_script,
+                                                                                    capsys):
+    """A changed --learning-rate or --weight-decay takes effect (the checkpoint's optimiser state
+    would restore the old ones), the run says what changed, and train_config.json keeps both
+    segments' settings; the current ones stay at its top level for the run's readers."""
+    run = tmp_path / "run"
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 2)) == 0
+    capsys.readouterr()
+    assert run_cli_train(load_script, cli_args(run, data, "--resume", "latest", "--learning-rate", "5e-5",
+                                               "--weight-decay", "0.01", "--global-batch-size", "2",
+                                               "--ema-warmup")) == 0
+    out = capsys.readouterr().out
+    for change in ("learning_rate 0.0001 -> 5e-05", "weight_decay 0.0 -> 0.01", "max_steps 2 -> 4",
+                   "global_batch_size 4 -> 2", "ema_warmup False -> True"):
+        assert change in out, out
+    assert "resume None" not in out
+    lrs = [json.loads(line)["lr"] for line in (run / "train_log.jsonl").read_text().splitlines()]
+    assert lrs == [1e-4, 1e-4, 5e-5, 5e-5]
+    groups = training_checkpoints._load_tree(find_latest_checkpoint(run) / "optimizer.safetensors")["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.01]
+    record = json.loads((run / "train_config.json").read_text())
+    assert [(s["start_step"], s["learning_rate"], s["global_batch_size"]) for s in record["segments"]] == [
+        (0, 1e-4, 4), (2, 5e-5, 2)]
+    assert (record["learning_rate"], record["max_steps"]) == (5e-5, 4)
 
 
 @pytest.fixture

@@ -38,11 +38,12 @@ def _resolved(path: str | None) -> str | None:
 
 
 def run_identity(cfg: TrainConfig) -> dict[str, Any]:
-    """What must stay the same for a resume: preset, data, seed and router warm-up (the model
-    config is added once the model is built)."""
+    """What must stay the same for a resume: preset, data (and the VAE that encodes it), seed and
+    router warm-up (the model config is added once the model is built)."""
     flag, source = data_source(cfg)
     return {"preset": cfg.preset, "data_dir": cfg.data_dir, "latents_dir": cfg.latents_dir,
-            "data_path": _resolved(source), "seed": cfg.seed, "router_warmup_steps": cfg.router_warmup_steps}
+            "data_path": _resolved(source), "vae": cfg.vae, "seed": cfg.seed,
+            "router_warmup_steps": cfg.router_warmup_steps}
 
 
 def _read_record(out: Path) -> dict | None:
@@ -72,6 +73,9 @@ def _check_same_run(cfg: TrainConfig, recorded: dict, where: str) -> None:
         if (flag, _resolved(source)) != (rec_flag, rec_path):
             raise ValueError(f"{flag} {source} is not the data of {where}, which was trained on {rec_flag} {rec_path}; "
                              f"resume with {rec_flag} {rec_path}, or start a new run with another --output-dir.")
+    if recorded.get("vae") is not None and recorded["vae"] != cfg.vae:  # None: a record from before it was kept
+        raise ValueError(f"--vae {cfg.vae} does not match {where}, whose latents are those of --vae {recorded['vae']}; "
+                         f"resume with --vae {recorded['vae']}, or start a new run with another --output-dir.")
     warmup = recorded.get("router_warmup_steps")
     if warmup is not None and warmup != cfg.router_warmup_steps:
         raise ValueError(f"--router-warmup-steps {cfg.router_warmup_steps} does not match {where}, which was trained "
@@ -254,7 +258,7 @@ def preflight(cfg: TrainConfig) -> str:
     check_batch_memory(resolved, cfg.train_batch_size or max(1, (cfg.global_batch_size or DEFAULT_GLOBAL_BATCH_SIZE)
                                                               // (cfg.gradient_accumulation_steps or 1)))
     FolderLock(Path(cfg.output_dir)).peek()
-    plan = plan_run(cfg)
+    plan = plan_run(resolved)  # with the VAE the run would use, as train's plan has it
     with_run_preset(cfg, plan)
     for message in [*plan.warnings, cfg.ema_warning()]:
         if message is not None:
@@ -348,15 +352,34 @@ def claim_folder(cfg: TrainConfig, plan: Plan, lock: FolderLock, model_config: d
         say(message)
 
 
-def record_run(cfg: TrainConfig, facts: dict[str, Any], class_to_idx: dict[str, int], step: int) -> None:
-    """Once the state has loaded: the run record (every option plus ``facts``), the class
-    map, and the logs trimmed to ``step``."""
+# Keys of the record that are the run's, not a segment's (a resume that changes them is refused).
+_RUN_KEYS = ("run_id", "model_config")
+# A segment's keys that say how it started, not what it trains with: never reported as changes.
+_START_KEYS = ("start_step", "resume", "init_from")
+
+
+def record_run(cfg: TrainConfig, facts: dict[str, Any], class_to_idx: dict[str, int], step: int) -> list[str]:
+    """Once the state has loaded: the run record, the class map, and the logs trimmed to ``step``.
+
+    The record holds the settings this start trains with (every option plus ``facts``) and, under
+    ``segments``, those of every start whose steps the run's history holds: a resume at ``step``
+    keeps the segments that began before it (later ones left nothing: their log lines are dropped
+    too) and adds its own. Returns the settings that differ from the segment it continues, each as
+    ``name old -> new``."""
     out_dir = Path(cfg.output_dir)
     if not is_package_output(out_dir):  # once: the run folder is moh-dit train's
         write_output_marker(out_dir, "train")
-    write_json_atomic(out_dir / RUN_RECORD, {**dataclasses.asdict(cfg), **facts})
+    settings = normalized({**dataclasses.asdict(cfg), **facts})
+    segment = {"start_step": step, **{k: v for k, v in settings.items() if k not in _RUN_KEYS}}
+    previous = (_read_record(out_dir) or {}) if step else {}
+    first = {"start_step": 0, **{k: v for k, v in previous.items() if k not in _RUN_KEYS}}  # a record without segments
+    segments = [s for s in previous.get("segments", [first] if previous else []) if s.get("start_step", 0) < step]
+    changed = [f"{k} {segments[-1].get(k)!r} -> {v!r}" for k, v in segment.items()
+               if segments and k not in _START_KEYS and segments[-1].get(k) != v]
+    write_json_atomic(out_dir / RUN_RECORD, {**settings, "segments": [*segments, segment]})
     write_class_index(class_to_idx, out_dir / "class_index.json")
     _trim_logs(out_dir, step)
+    return changed
 
 
 def _trim_logs(out: Path, step: int) -> None:

@@ -81,13 +81,17 @@ def train(cfg: TrainConfig) -> Path:
         # Resume: every part's state, then the run record (written only once the state has loaded).
         if plan.resume_from is not None:
             load_checkpoint(parts, Path(plan.resume_from))
+            _take_optimiser_settings(cfg, parts)
             _say(accelerator, f"Resumed from {plan.resume_from} at step {parts.state.step}.")
         run = {"run_id": plan.run_id, **run_identity(cfg), "model_config": model_config}  # in every marker
         if accelerator.is_main_process:
-            record_run(cfg, {"run_id": plan.run_id, "data_path": run["data_path"],
-                             "num_processes": accelerator.num_processes, "per_process_batch_size": data.per_process,
-                             "latent_shape": list(space.shape), "model_config": model_config},
-                       data.class_to_idx, parts.state.step)
+            changed = record_run(cfg, {"run_id": plan.run_id, "data_path": run["data_path"],
+                                       "num_processes": accelerator.num_processes,
+                                       "per_process_batch_size": data.per_process, "latent_shape": list(space.shape),
+                                       "model_config": model_config}, data.class_to_idx, parts.state.step)
+            if changed:
+                logger.info(f"Settings changed from step {parts.state.step} on (train_config.json keeps every "
+                            f"segment's under segments): {'; '.join(changed)}.")
         if cfg.report_to != "none":
             accelerator.init_trackers("moh-dit", config={k: v for k, v in dataclasses.asdict(cfg).items()
                                                          if isinstance(v, (int, float, str, bool))})
@@ -378,6 +382,19 @@ def _build_optimisation(cfg: TrainConfig, accelerator, model, sampler: Resumable
     # registered with accelerate, whose custom state is a pickle loaded with weights_only=False.
     parts = Parts(accelerator, accelerator.unwrap_model(model), ema, optimizer, lr_scheduler, TrainState(sampler))
     return parts, model
+
+
+def _take_optimiser_settings(cfg: TrainConfig, parts: Parts) -> None:
+    """A resumed optimiser takes this command's learning rate, weight decay and betas (a checkpoint
+    restores those it was saved with, which would silently override a changed --learning-rate or
+    --weight-decay). The rate is the LR schedule's at the step the run continues from: the same
+    number the schedule gives there when nothing changed, so an exact resume stays exact."""
+    schedule = parts.lr_scheduler
+    schedule.base_lrs = [cfg.learning_rate] * len(schedule.base_lrs)
+    for group, factor in zip(parts.optimizer.param_groups, schedule.lr_lambdas):  # diffusers' schedules: LambdaLR
+        group.update(lr=cfg.learning_rate * factor(schedule.last_epoch), initial_lr=cfg.learning_rate,
+                     weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas))
+    schedule._last_lr = [group["lr"] for group in parts.optimizer.param_groups]  # what get_last_lr() reports
 
 
 def _mfu_terms(cfg: TrainConfig, accelerator, model) -> tuple[int, float]:
