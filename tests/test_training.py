@@ -1027,8 +1027,8 @@ def test_default_tracker_is_tensorboard_when_installed_else_none(tmp_path, data,
     capsys.readouterr()
     assert run_cli_train(load_script, argv) == 0
     captured = capsys.readouterr()
-    assert re.search(r"Tracker: none \(TensorBoard is not installed \(pip install \"moh-dit\[tensorboard\]\"",
-                     captured.out), captured.out
+    assert re.search(r"Tracker: none \(TensorBoard is not installed \(pip install tensorboard", captured.out), \
+        captured.out
     assert f"Done. EMA model: {tmp_path / 'run' / 'final'}" in captured.out
     assert json.loads((tmp_path / "run" / "train_config.json").read_text())["report_to"] == "none"
     # the run's EMA (0.9 over 1 step) is still mostly the initial weights: said at the start
