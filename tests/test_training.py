@@ -866,8 +866,29 @@ def test_train_batch_size_is_per_process_and_per_pass(tmp_path, data):
     assert (launch.global_batch_size, launch.train_batch_size) == (256, 64)  # DiT's default global batch
     assert config(tmp_path, data, global_batch_size=8, train_batch_size=2).for_launch(2, "no", 2, "none") \
         .global_batch_size == 8  # both given and agreeing
-    with pytest.raises(ValueError, match="accelerate's 4"):  # accelerate launch --gradient_accumulation_steps 4
-        config(tmp_path, data, gradient_accumulation_steps=2).for_launch(1, "no", 4, "none")
+
+
+def test_accumulation_has_one_source_the_flag_or_accelerates_variable(tmp_path, data, load_script, refuses,
+                                                                      monkeypatch, capsys):
+    """accelerate launch hands its --gradient_accumulation_steps to a script only as
+    ACCELERATE_GRADIENT_ACCUMULATION_STEPS (for DeepSpeed), which its Accelerator prefers to the
+    script's value. Without the flag the variable is the accumulation, said and recorded; a flag
+    that disagrees is refused by the run and by its --dry-run alike, and so is a value that is
+    not a count."""
+    run = tmp_path / "run"
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")
+    for extra in (["--dry-run"], []):
+        refuses("train", cli_args(run, data, "--gradient-accumulation-steps", 4, *extra),
+                r"--gradient-accumulation-steps 4 disagrees with ACCELERATE_GRADIENT_ACCUMULATION_STEPS=2")
+    capsys.readouterr()
+    assert run_cli_train(load_script, cli_args(run, data, "--dry-run")) == 0
+    assert '"gradient_accumulation_steps": 2' in capsys.readouterr().out
+    assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 1)) == 0
+    assert "x 2 accumulation steps (accumulation: ACCELERATE_GRADIENT_ACCUMULATION_STEPS)" in capsys.readouterr().out
+    assert json.loads((run / "train_config.json").read_text())["gradient_accumulation_steps"] == 2
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "auto")
+    refuses("train", cli_args(tmp_path / "other", data, "--dry-run"),
+            r"ACCELERATE_GRADIENT_ACCUMULATION_STEPS='auto' .*is not a whole number")
 
 
 def _capture_grads(monkeypatch):

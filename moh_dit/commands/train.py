@@ -12,8 +12,10 @@ From weights:     moh-dit train --init-from dit-xl-2-up75 --router-warmup-steps 
 diffusers' spellings work too: --train_data_dir, --resolution, --train_batch_size, --max_train_steps,
                   --checkpointing_steps, --lr_warmup_steps, --resume_from_checkpoint, --dataloader_num_workers,
                   and every flag with underscores (--output_dir, --mixed_precision, --lr_scheduler).
-Left out, --mixed-precision and --gradient-accumulation-steps are accelerate's (accelerate launch's flags or
-config), and --report-to is tensorboard if it is installed, else none; the run prints what it uses.
+Left out, --mixed-precision is accelerate's (accelerate launch's flag or config), --gradient-accumulation-steps
+is ACCELERATE_GRADIENT_ACCUMULATION_STEPS when set, else 1 (accelerate launch's --gradient_accumulation_steps
+is DeepSpeed's: give the trainer's flag), and --report-to is tensorboard if it is installed, else none; the run
+prints what it uses.
 
 The --output-dir belongs to one run: a second run into it while it trains is refused, and so
 is a new run (no --resume) into a folder that holds one, or one inside --data-dir. With

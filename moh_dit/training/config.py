@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,10 @@ DEFAULT_IMAGE_SIZE = 256
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
 # The run's EMA would still be more than this share of the initial weights at the end: warn.
 EMA_STALE_SHARE = 0.1
+# How accelerate hands an accumulation to the script: accelerate launch sets it from its own
+# --gradient_accumulation_steps for DeepSpeed launches only, and its Accelerator prefers it to the
+# script's value; a user may set it by hand. A plain launch passes the launcher's flag on nowhere.
+ACCUMULATION_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
 # --resume by name: diffusers' example scripts' checkpoint-N, or this trainer's folder name step-N.
 CHECKPOINT_NAME = re.compile(r"(?:checkpoint|step)-(\d+)")
 
@@ -111,7 +116,8 @@ class TrainConfig:
         "processes x --gradient-accumulation-steps")
     gradient_accumulation_steps: int | None = option(
         None, "forward/backward passes per optimiser step; the loss is scaled so that the step equals one of the "
-        "whole batch (default: accelerate launch's --gradient_accumulation_steps, else 1)")
+        f"whole batch (default: {ACCUMULATION_ENV} when set, else 1; accelerate launch's "
+        "--gradient_accumulation_steps is a DeepSpeed option that never reaches this trainer)")
     learning_rate: float = option(1e-4)
     lr_scheduler: str = option("constant_with_warmup", "diffusers.optimization's LR schedule over --max-steps "
                                "(default: %(default)s)", choices=LR_SCHEDULERS)
@@ -254,14 +260,33 @@ class TrainConfig:
         check_outside_inputs(self.output_dir, inputs)
 
     def resolved(self) -> "TrainConfig":
-        """This config with the image size and VAE the run really uses, as it records them: the
-        defaults for --data-dir; for --latents-dir, the cache's (from its index.json), refusing
-        an --image-size or --vae given that differs from what the cache was made with. Reads
-        the cache's index, nothing else."""
+        """This config with the image size, VAE and accumulation the run really uses, as it
+        records them: for --data-dir, the defaults; for --latents-dir, the cache's (from its
+        index.json), refusing an --image-size or --vae given that differs from what the cache was
+        made with; the accumulation of :meth:`accumulation`. Reads the cache's index, nothing else."""
         if self.data_dir is not None:
-            return dataclasses.replace(self, image_size=self.image_size or DEFAULT_IMAGE_SIZE,
-                                       vae=self.vae or DEFAULT_VAE)
-        return dataclasses.replace(self, **cache_settings(self.latents_dir, self.image_size, self.vae))
+            settings = {"image_size": self.image_size or DEFAULT_IMAGE_SIZE, "vae": self.vae or DEFAULT_VAE}
+        else:
+            settings = cache_settings(self.latents_dir, self.image_size, self.vae)
+        return dataclasses.replace(self, **settings, gradient_accumulation_steps=self.accumulation()[0])
+
+    def accumulation(self) -> tuple[int, str]:
+        """The run's gradient accumulation and where it comes from. --gradient-accumulation-steps is
+        its one source; when the flag is absent, accelerate's ACCELERATE_GRADIENT_ACCUMULATION_STEPS
+        (which accelerate's Accelerator would take anyway), else 1. The variable set to another
+        value than the flag is refused: one of them would be ignored."""
+        flag = self.gradient_accumulation_steps
+        env = os.environ.get(ACCUMULATION_ENV, "").strip()
+        if not env:
+            return (flag, "--gradient-accumulation-steps") if flag else (1, "the default; set it with "
+                                                                          "--gradient-accumulation-steps")
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"{ACCUMULATION_ENV}={env!r} (set by accelerate launch for DeepSpeed, or by hand) is not "
+                             "a whole number of at least 1; unset it and give --gradient-accumulation-steps.")
+        if flag is not None and flag != int(env):
+            raise ValueError(f"--gradient-accumulation-steps {flag} disagrees with {ACCUMULATION_ENV}={env} (set by "
+                             "accelerate launch for DeepSpeed, or by hand); unset the variable, or give the same value.")
+        return int(env), "--gradient-accumulation-steps" if flag else ACCUMULATION_ENV
 
     def check_batch_split(self, num_processes: int, accumulation: int | None = None) -> int:
         """The global batch of a launch of ``num_processes`` accumulating ``accumulation``
@@ -289,11 +314,8 @@ class TrainConfig:
 
     def for_launch(self, num_processes: int, mixed_precision: str, accumulation: int, report_to: str) -> "TrainConfig":
         """This config with what the launch decided filled in -- the global and per-process
-        batch, the accumulation, the precision and the tracker -- as the run records it."""
-        if self.gradient_accumulation_steps is not None and accumulation != self.gradient_accumulation_steps:
-            raise ValueError(f"--gradient-accumulation-steps {self.gradient_accumulation_steps} disagrees with "
-                             f"accelerate's {accumulation} (accelerate launch --gradient_accumulation_steps or "
-                             "ACCELERATE_GRADIENT_ACCUMULATION_STEPS); give the same value, or only one of them.")
+        batch, the accumulation (the Accelerator's, built with :meth:`accumulation`'s), the
+        precision and the tracker -- as the run records it."""
         if mixed_precision not in MIXED_PRECISIONS:
             raise ValueError(f"accelerate's mixed precision {mixed_precision!r} is not supported by this trainer; "
                              "use --mixed-precision no, fp16 or bf16.")

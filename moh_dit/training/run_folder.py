@@ -256,7 +256,7 @@ def preflight(cfg: TrainConfig) -> str:
     resolved = cfg.resolved()
     # The batch of one process (the launch's number of processes is not known here).
     check_batch_memory(resolved, cfg.train_batch_size or max(1, (cfg.global_batch_size or DEFAULT_GLOBAL_BATCH_SIZE)
-                                                              // (cfg.gradient_accumulation_steps or 1)))
+                                                              // resolved.gradient_accumulation_steps))
     FolderLock(Path(cfg.output_dir)).peek()
     plan = plan_run(resolved)  # with the VAE the run would use, as train's plan has it
     with_run_preset(cfg, plan)

@@ -146,13 +146,14 @@ def _start_accelerator(cfg: TrainConfig) -> tuple[Any, TrainConfig]:
     """The Accelerator of this launch and ``cfg`` with what the launch decided (precision,
     accumulation, batch split, tracker), once ``cfg`` passed its checks, its batch splits over
     the launch's processes, and the launch is one this trainer's checkpoints support (plain
-    data-parallel). Options left out are accelerate's to decide, as in diffusers' scripts:
-    ``--mixed-precision`` (accelerate launch's flag or config), ``--gradient-accumulation-steps``."""
+    data-parallel). ``--mixed-precision`` left out is accelerate's to decide, as in diffusers'
+    scripts (accelerate launch's flag or config); the accumulation is :meth:`TrainConfig.accumulation`'s."""
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
     cfg.validate()  # before the Accelerator, which would otherwise report bad options in its own terms
-    cfg = cfg.resolved()  # the image size and VAE of a latent cache are the cache's
+    accumulation_source = cfg.accumulation()[1]
+    cfg = cfg.resolved()  # the image size and VAE of a latent cache are the cache's; the accumulation
     report_to, tracker_source = resolve_report_to(cfg.report_to)
     if cfg.mixed_precision is not None:
         precision_source = "--mixed-precision"
@@ -162,7 +163,7 @@ def _start_accelerator(cfg: TrainConfig) -> tuple[Any, TrainConfig]:
         precision_source = "accelerate's default; set it with --mixed-precision or accelerate launch --mixed_precision"
     accelerator = Accelerator(
         mixed_precision=cfg.mixed_precision,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps or 1,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         log_with=log_with(report_to),
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs")),
     )
@@ -180,15 +181,17 @@ def _start_accelerator(cfg: TrainConfig) -> tuple[Any, TrainConfig]:
         raise ValueError(f"launched as {world} processes (WORLD_SIZE={world}) but accelerate sees one; on CPU set "
                          "ACCELERATE_USE_CPU=1 for torchrun, or use accelerate launch --cpu.")
     if accelerator.is_main_process:
-        _announce_launch(cfg, accelerator.num_processes, precision_source, tracker_source)
+        _announce_launch(cfg, accelerator.num_processes, precision_source, accumulation_source, tracker_source)
     return accelerator, cfg
 
 
-def _announce_launch(cfg: TrainConfig, num_processes: int, precision_source: str, tracker_source: str) -> None:
+def _announce_launch(cfg: TrainConfig, num_processes: int, precision_source: str, accumulation_source: str,
+                     tracker_source: str) -> None:
     """What the launch decided, and the EMA warning of a run whose EMA would not follow training."""
     logger.info(f"Mixed precision: {cfg.mixed_precision} ({precision_source}).")
     logger.info(f"Batch: {cfg.global_batch_size} images per step = {cfg.train_batch_size} per process x "
-                f"{num_processes} processes x {cfg.gradient_accumulation_steps} accumulation steps.")
+                f"{num_processes} processes x {cfg.gradient_accumulation_steps} accumulation steps (accumulation: "
+                f"{accumulation_source}).")
     logger.info(f"Tracker: {cfg.report_to} ({tracker_source}).")
     ema_warning = cfg.ema_warning()
     if ema_warning is not None:
