@@ -43,7 +43,9 @@ import numpy as np
 import PIL.Image
 import torch
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
-from diffusers.loaders import SanaLoraLoaderMixin
+# diffusers.loaders exports its pipeline LoRA mixins only when transformers is installed; the module
+# itself needs neither transformers nor peft, so import it from there.
+from diffusers.loaders.lora_pipeline import SanaLoraLoaderMixin
 from diffusers.models import AutoencoderKL
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
