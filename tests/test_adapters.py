@@ -256,12 +256,15 @@ def test_training_a_lora_leaves_the_base_weights(randomize):
 
 @pytest.mark.slow
 def test_the_model_works_without_peft():
-    """peft is an optional extra: without it the model imports, builds and runs, and the
-    LoRA API says to install peft."""
+    """peft is an optional extra: without it (and without transformers, which peft brings and
+    diffusers' loaders look for) the model and the pipeline import, the model builds and runs,
+    and the LoRA API says to install peft."""
     code = (
-        "import sys; sys.modules['peft'] = None\n"
+        "import sys; sys.modules['peft'] = None; sys.modules['transformers'] = None\n"
+        "import diffusers.utils.import_utils as iu\n"
+        "iu._peft_available = iu._transformers_available = False\n"
         "import torch\n"
-        "from moh_dit import MoHDiTTransformer2DModel\n"
+        "from moh_dit import MoHDiTPipeline, MoHDiTTransformer2DModel\n"
         "m = MoHDiTTransformer2DModel.from_preset('MoH-DiT-Tiny/2', sample_size=8).eval()\n"
         "print(tuple(m(torch.randn(1, 3, 8, 8), 10, torch.tensor([1])).sample.shape))\n"
         "try:\n"
