@@ -43,7 +43,7 @@ from moh_dit.utils.io import write_json_atomic
 from moh_dit.models.presets import PRESETS
 from moh_dit.models.attention import MoHAttention
 from moh_dit.models.layout import min_top_k
-from moh_dit.models.sparse_attention import STRATEGIES, MoHSparseAttnProcessor
+from moh_dit.models.sparse_attention import MoHSparseAttnProcessor
 
 from common import interleaved_medians, pick_device, randomize_weights_
 
@@ -53,7 +53,7 @@ TARGETS = {"sparse_over_ideal_r05_N1024": 1.15, "sparse_r10": 1.05, "masked": 1.
 
 def layer_rows(
     width: str, tokens: int, batch: int, ratios: list[float], shared: int, repeats: int,
-    device: torch.device, dtype: torch.dtype, seed: int = 0, strategies: list[str] = (),
+    device: torch.device, dtype: torch.dtype, seed: int = 0,
 ) -> list[dict]:
     """Rows for one (width, tokens): dense, then MoH dense-masked and head-sparse per ratio."""
     dim, heads, head_dim = WIDTHS[width]
@@ -79,10 +79,6 @@ def layer_rows(
         if not layouts[r][2] and k < heads - shared:  # the default falls back to dense-masked here
             forced = MoHSparseAttnProcessor(dense_above=1.0)
             fns[f"forced@{r}"] = lambda moh=moh, forced=forced: forced(moh, x, moh.route(x))
-        if k < heads - shared:  # each strategy skipping, whatever the default would choose
-            for strategy in strategies:
-                forced = MoHSparseAttnProcessor(strategy, dense_above=1.0)
-                fns[f"{strategy}@{r}"] = lambda moh=moh, forced=forced: forced(moh, x, moh.route(x))
     with torch.inference_mode():
         med = interleaved_medians(fns, repeats, device, warmup=3 if device.type == "cuda" else 1)
     rows = []
@@ -98,8 +94,6 @@ def layer_rows(
             dense_ms=med["dense"] * 1e3, masked_ms=med[f"masked@{r}"] * 1e3, sparse_ms=med[f"sparse@{r}"] * 1e3,
             masked_over_dense=med[f"masked@{r}"] / med["dense"], sparse_over_dense=sparse,
             forced_skip_over_dense=None if forced is None else forced / med["dense"],
-            default_strategy=MoHSparseAttnProcessor.default_strategy(device),
-            strategies={s: med[f"{s}@{r}"] / med["dense"] for s in strategies if f"{s}@{r}" in med},
             ideal_flop_ratio=ideal, sparse_over_ideal=sparse / ideal,
         ))
     return rows
@@ -121,7 +115,6 @@ def model_flops(model: MoHDiTTransformer2DModel, sparse: bool) -> float:
 
 def model_rows(
     batch: int, repeats: int, device: torch.device, dtype: torch.dtype, quick: bool, seed: int = 0,
-    strategies: list[str] = (),
 ) -> list[dict]:
     """Whole forward of MoH-DiT-B/2 presets at the trained and lower ratios vs dense DiT-B/2."""
     plans = {"MoH-DiT-B/2-75": [None, 0.65, 0.6], "MoH-DiT-B/2-90": [None, 0.75]}
@@ -144,14 +137,12 @@ def model_rows(
     dense_flops = model_flops(dense, sparse=False)
     for name, ratios in plans.items():
         moh = build(name)
-        default = MoHSparseAttnProcessor.default_strategy(device)
         for ratio in ratios:
             paths = ("dense-masked", "head-sparse") if ratio is None else ("head-sparse",)
-            paths += tuple(f"head-sparse {s}" for s in strategies if s != default)
             for path in paths:
-                def call(moh=moh, ratio=ratio, sparse=path != "dense-masked", strategy=path[12:] or default):
+                def call(moh=moh, ratio=ratio, sparse=path != "dense-masked"):
                     moh.set_head_activation_ratio(ratio)
-                    moh.set_sparse_inference(sparse, strategy=strategy)
+                    moh.set_sparse_inference(sparse)
                     return moh(x, t, y)
                 realised = moh.set_head_activation_ratio(ratio)
                 ideal = model_flops(moh, sparse=path != "dense-masked") / dense_flops
@@ -205,8 +196,6 @@ def markdown(result: dict) -> str:
         path = r["sparse_path"]
         if r["forced_skip_over_dense"] is not None:
             path += f"; skipping anyway {r['forced_skip_over_dense']:.3f}x"
-        if r["strategies"]:
-            path += "; " + ", ".join(f"{s} {v:.3f}x" for s, v in r["strategies"].items())
         lines.append(
             f"| {r['width']} ({r['hidden']} = {r['heads']} x {r['head_dim']}) | {r['tokens']} | {r['batch']} | {r['ratio']:.2f} "
             f"| {r['shared_heads'] + r['top_k']}/{r['heads']} | {r['dense_ms']:.1f} | {r['masked_over_dense']:.3f}x "
@@ -233,9 +222,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shared-heads", type=int, default=0, help="always-on heads of the benchmark layer")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds; default 25 on CUDA, 7 on CPU")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--strategies", nargs="*", choices=STRATEGIES, default=None,
-                        help="also time each head-sparse strategy forced on (default: all on CUDA, none on CPU, "
-                             "where the default per_head is the sparse column)")
     parser.add_argument("--no-model", action="store_true", help="skip the whole-model part")
     parser.add_argument("--quick", action="store_true", help="smoke run: B width, 256 tokens, ratios 1.0 and 0.5, batch 1")
     parser.add_argument("--json", default=None, help="also write the tables as JSON here")
@@ -254,7 +240,6 @@ def main(args: argparse.Namespace) -> dict:
     model_batch = args.model_batch_size or (8 if cuda else 2)
     repeats = args.repeats or (25 if cuda else 7)
     widths, tokens, ratios = args.widths, args.tokens, args.ratios
-    strategies = args.strategies if args.strategies is not None else (list(STRATEGIES) if cuda else [])
     if args.quick:
         widths, tokens, ratios = ["B"], [256], [1.0, 0.5]
         batch, model_batch, repeats = 1, 1, 2
@@ -267,8 +252,8 @@ def main(args: argparse.Namespace) -> dict:
     layers = []
     for width in widths:
         for n in tokens:
-            layers += layer_rows(width, n, batch, ratios, args.shared_heads, repeats, device, dtype, strategies=strategies)
-    models = [] if args.no_model else model_rows(model_batch, repeats, device, dtype, args.quick, strategies=strategies)
+            layers += layer_rows(width, n, batch, ratios, args.shared_heads, repeats, device, dtype)
+    models = [] if args.no_model else model_rows(model_batch, repeats, device, dtype, args.quick)
     result = dict(
         machine=machine(device), device=str(device), dtype=str(dtype).replace("torch.", ""), repeats=repeats,
         command="python benchmarks/benchmark_attention.py " + " ".join(sys.argv[1:]) if __name__ == "__main__" else None,
@@ -283,8 +268,6 @@ def main(args: argparse.Namespace) -> dict:
         path = r["sparse_path"]
         if r["forced_skip_over_dense"] is not None:
             path += f"; skipping anyway: {r['forced_skip_over_dense']:.3f}x"
-        if r["strategies"]:
-            path += "; " + " ".join(f"{s} {v:.3f}x" for s, v in r["strategies"].items())
         print(f"{r['width']:<5} {r['tokens']:>5} {r['batch']:>3} {r['ratio']:>5.2f} "
               f"{r['shared_heads'] + r['top_k']:>3}/{r['heads']:<4} {r['dense_ms']:>9.2f} {r['masked_over_dense']:>7.3f}x "
               f"{r['sparse_over_dense']:>7.3f}x {r['ideal_flop_ratio']:>7.3f} {r['sparse_over_ideal']:>8.3f}x  {path}")

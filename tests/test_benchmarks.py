@@ -18,11 +18,8 @@ from reference_attention import ideal_flop_ratio
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
-# On CPU the jagged SDPA of the packed strategy runs torch's math fallback, which warns
-# that strided nested tensors are a prototype.
 # Developer tools run end to end in subprocesses: many seconds each.
-pytestmark = [pytest.mark.slow,
-              pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture

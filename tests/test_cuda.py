@@ -1,16 +1,15 @@
-"""CUDA checks: the head-sparse strategies and the model on a GPU.
+"""CUDA checks: the head-sparse computation and the model on a GPU.
 
 Skipped without a CUDA device (CI has none); run them on a GPU machine with
 ``python -m pytest -q tests/test_cuda.py``. Sizes use head dims the fused attention kernels
-accept (multiples of 8), so the flash / memory-efficient (and, for the packed strategy,
-jagged varlen) kernels are the ones tested.
+accept (multiples of 8), so the flash / memory-efficient kernels are the ones tested.
 """
 
 import pytest
 import torch
 
 from moh_dit import MoHDiTTransformer2DModel
-from moh_dit.models.sparse_attention import STRATEGIES, MoHSparseAttnProcessor
+from moh_dit.models.sparse_attention import MoHSparseAttnProcessor
 from moh_dit.models.attention import MoHAttention, MoHAttnProcessor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -44,10 +43,9 @@ LAYOUTS = [(16, 0, 8), (16, 0, 1), (16, 4, 3), (12, 2, 9), (8, 1, 5)]  # K < h -
 
 
 @pytest.mark.parametrize("heads, shared, k", LAYOUTS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_strategies_equal_dense_masked_fp32(heads, shared, k, strategy):
+def test_sparse_equals_dense_masked_fp32(heads, shared, k):
     attn = layer(heads, shared, k)
-    processor = MoHSparseAttnProcessor(strategy, dense_above=1.0)
+    processor = MoHSparseAttnProcessor(dense_above=1.0)
     for batch, tokens in [(1, 1), (3, 256), (2, 1024)]:
         x = torch.randn(batch, tokens, heads * 72, device="cuda")
         with torch.no_grad():
@@ -56,11 +54,10 @@ def test_strategies_equal_dense_masked_fp32(heads, shared, k, strategy):
         assert err <= 1e-5, (batch, tokens, err)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_strategies_bf16(strategy):
+def test_sparse_bf16():
     attn = layer(16, 2, 5)
     x = torch.randn(4, 1024, 16 * 72, device="cuda")
-    processor = MoHSparseAttnProcessor(strategy, dense_above=1.0)
+    processor = MoHSparseAttnProcessor(dense_above=1.0)
     with torch.no_grad():
         routing = attn.route(x)
         exact = DENSE(attn, x, routing)
@@ -72,37 +69,26 @@ def test_strategies_bf16(strategy):
     assert rel_err(sparse, exact) <= 2 * rel_err(masked, exact) + 1e-3
 
 
-def test_packed_layer_and_model_run_without_host_sync(randomize):
-    """The packed strategy and whole sampling-mode forwards (head-sparse packed, and
-    dense-masked) never wait for the GPU: torch raises on a synchronising call under sync
-    debug mode "error" (it sees most, not all)."""
-    attn = layer(16, 2, 5)
-    x = torch.randn(2, 256, 16 * 72, device="cuda")
-    processor = MoHSparseAttnProcessor("packed", dense_above=1.0)
+def test_dense_masked_model_runs_without_host_sync(randomize):
+    """A sampling-mode forward on the dense-masked path (what automatic mode uses on CUDA)
+    never waits for the GPU: torch raises on a synchronising call under sync debug mode
+    "error" (it sees most, not all)."""
     model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-S/2-75", sample_size=16)).cuda().eval()
-    model.set_sparse_inference(True, strategy="packed")
+    model.set_sparse_inference(False)
     latents = torch.randn(2, 4, 16, 16, device="cuda")
     t = torch.tensor([10, 500], device="cuda")
     y = torch.tensor([3, 1000], device="cuda")
     with torch.no_grad():
-        routing = attn.route(x)
-        processor(attn, x, routing)  # warm-up: lazy initialisation may synchronise
-        for setting in (False, True):
-            model.set_sparse_inference(setting, strategy="packed")
-            model(latents, t, y)
+        model(latents, t, y)  # warm-up: lazy initialisation may synchronise
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            processor(attn, x, attn.route(x))
-            model(latents, t, y)
-            model.set_sparse_inference(False)  # the dense-masked path (what automatic mode uses on CUDA)
             model(latents, t, y)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_model_on_cuda_matches_cpu(randomize, strategy):
+def test_model_on_cuda_matches_cpu(randomize):
     """A MoH-DiT-S/2-75 forward on the GPU (dense-masked and head-sparse at a lowered ratio)
     equals the CPU float32 result."""
     model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-S/2-75", sample_size=16), std=0.05).eval()
@@ -116,7 +102,7 @@ def test_model_on_cuda_matches_cpu(randomize, strategy):
         gpu = model.cuda()
         gpu.set_sparse_inference(False)
         masked = gpu(x.cuda(), t.cuda(), y.cuda()).sample.cpu()
-        gpu.set_sparse_inference(True, strategy=strategy)
+        gpu.set_sparse_inference(True)
         sparse = gpu(x.cuda(), t.cuda(), y.cuda()).sample.cpu()
     assert rel_err(masked, cpu) <= 1e-4
     assert rel_err(sparse, masked) <= 1e-5

@@ -2,7 +2,6 @@
 
 import ast
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -22,17 +21,9 @@ ideal_flop_ratio, sparse_attention_reference = reference.ideal_flop_ratio, refer
 
 DENSE = MoHAttnProcessor()
 # dense_above=1.0: always skip, so that dense layouts really test the sparse computation.
-SPARSE = MoHSparseAttnProcessor(dense_above=1.0)  # "per_head" on CPU
-BATCHED = MoHSparseAttnProcessor("batched", dense_above=1.0)
-PACKED = MoHSparseAttnProcessor("packed", dense_above=1.0)  # sync-free; jagged SDPA
-ALL = (SPARSE, BATCHED, PACKED)
+SPARSE = MoHSparseAttnProcessor(dense_above=1.0)
 
-# On CPU the jagged SDPA of the packed strategy runs torch's math fallback, which warns
-# that strided nested tensors are a prototype.
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype"),
-]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rel_err(a, b):
@@ -76,8 +67,7 @@ def test_sparse_equals_dense_masked_fp32(h, hs, k):
         with torch.no_grad():
             routing = attn.route(x)
             ref = DENSE(attn, x, routing)
-            for processor in ALL:
-                assert rel_err(processor(attn, x, routing), ref) <= 1e-5, (processor.strategy, batch, tokens)
+            assert rel_err(SPARSE(attn, x, routing), ref) <= 1e-5, (batch, tokens)
 
 
 @pytest.mark.parametrize("h, hs, k", [(3, 0, 1), (5, 1, 2), (5, 2, 3), (6, 0, 5)])
@@ -100,14 +90,13 @@ def test_heads_that_no_token_selects(h, hs, k, allowed):
         routing = crafted_routing(attn, batch, tokens, allowed)
         with torch.no_grad():
             ref = DENSE(attn, x, routing)
-            for processor in ALL:
-                assert rel_err(processor(attn, x, routing), ref) <= 1e-5, processor.strategy
+            assert rel_err(SPARSE(attn, x, routing), ref) <= 1e-5
             assert rel_err(sparse_attention_reference(attn, x, routing), ref) <= 1e-5
 
 
 def test_many_blocks_per_head():
-    """The per-head strategy gathers and scatters in blocks of rows; force several."""
-    small = MoHSparseAttnProcessor("per_head", dense_above=1.0, block_bytes=3 * 16 * 4)  # 3 rows of D = 16 floats
+    """The Q and output projections gather and scatter in blocks of rows; force several."""
+    small = MoHSparseAttnProcessor(dense_above=1.0, block_bytes=3 * 16 * 4)  # 3 rows of D = 16 floats
     for h, hs, k in [(6, 0, 2), (7, 2, 3)]:
         attn = layer(h, hs, k)
         x = torch.randn(3, 23, 16)
@@ -122,8 +111,7 @@ def test_without_biases():
     x = torch.randn(2, 9, 16)
     with torch.no_grad():
         routing = attn.route(x)
-        for processor in ALL:
-            assert rel_err(processor(attn, x, routing), DENSE(attn, x, routing)) <= 1e-5, processor.strategy
+        assert rel_err(SPARSE(attn, x, routing), DENSE(attn, x, routing)) <= 1e-5
 
 
 def _preset_layouts():
@@ -155,8 +143,7 @@ def test_every_preset_layout_and_ratio():
         with torch.no_grad():
             routing = attn.route(x)
             ref = DENSE(attn, x, routing)
-            for processor in ALL:
-                assert rel_err(processor(attn, x, routing), ref) <= 1e-5, (processor.strategy, h, hs, k)
+            assert rel_err(SPARSE(attn, x, routing), ref) <= 1e-5, (h, hs, k)
 
 
 @pytest.mark.parametrize("h, hs, k", [(6, 0, 2), (6, 2, 1), (5, 1, 3)])
@@ -169,17 +156,16 @@ def test_bf16(h, hs, k):
         attn_bf16 = attn.to(torch.bfloat16)
         x_bf16 = x.bfloat16()
         dense = DENSE(attn_bf16, x_bf16, routing)
-        for processor in ALL:
-            sparse = processor(attn_bf16, x_bf16, routing)
-            assert sparse.dtype == torch.bfloat16
-            # bf16 keeps 8 mantissa bits: both paths are <1e-2 from fp32, and that close to each other.
-            assert rel_err(sparse, dense) <= 2e-2
-            assert rel_err(sparse, exact) <= 2e-2
+        sparse = SPARSE(attn_bf16, x_bf16, routing)
+        assert sparse.dtype == torch.bfloat16
+        # bf16 keeps 8 mantissa bits: both paths are <1e-2 from fp32, and that close to each other.
+        assert rel_err(sparse, dense) <= 2e-2
+        assert rel_err(sparse, exact) <= 2e-2
     assert rel_err(dense, exact) > 1e-4  # bf16 really ran
 
 
 def test_autocast_computes_dense_masked():
-    """Under autocast the projections change dtype; with every strategy the layer then
+    """Under autocast the projections change dtype; the layer then
     returns exactly the dense-masked result instead of mixing dtypes in the in-place
     kernels, and the processor called directly refuses rather than computing wrongly."""
     attn = layer(6, 1, 2)
@@ -190,12 +176,10 @@ def test_autocast_computes_dense_masked():
         ref = DENSE(attn, x, routing)
         assert ref.dtype == torch.bfloat16
         assert not attn.uses_sparse_processor(12, x.device)
-        for processor in ALL:
-            attn.sparse_processor = processor
-            assert torch.equal(attn(x), ref), processor.strategy
-            with pytest.raises(ValueError, match="autocast"):
-                processor(attn, x, routing)
-    attn.sparse_processor = SPARSE
+        attn.sparse_processor = SPARSE
+        assert torch.equal(attn(x), ref)
+        with pytest.raises(ValueError, match="autocast"):
+            SPARSE(attn, x, routing)
     assert attn.uses_sparse_processor(12, x.device)  # outside autocast it skips again
 
 
@@ -335,12 +319,12 @@ def test_compiled_eval_without_grad_has_no_graph_breaks(randomize):
         assert rel_err(out, model(x, t, y).sample) <= 1e-5
 
 
-def test_packed_strategy_in_the_model_and_its_gradients(randomize):
-    """The packed strategy through the model switch (ratio changes included), and its
+def test_sparse_path_in_the_model_and_its_gradients(randomize):
+    """The head-sparse path through the model switch (ratio changes included), and its
     gradients, equal the dense-masked ones."""
     model, x, t, y = model_and_inputs(randomize)
     for block in model.transformer_blocks:
-        block.attn1.sparse_processor = MoHSparseAttnProcessor("packed", dense_above=1.0)
+        block.attn1.sparse_processor = MoHSparseAttnProcessor(dense_above=1.0)
     for ratio in (None, model.head_activation_range[0]):
         model.set_head_activation_ratio(ratio)
         with torch.no_grad():
@@ -359,23 +343,7 @@ def test_packed_strategy_in_the_model_and_its_gradients(randomize):
     assert torch.allclose(grads[1], grads[0], rtol=1e-4, atol=1e-7)
 
 
-def test_strategy_switch_and_defaults(randomize):
-    model, *_ = model_and_inputs(randomize)
-    model.set_sparse_inference(True, strategy="batched")
-    assert all(b.attn1.sparse_processor.strategy == "batched" for b in model.transformer_blocks)
-    model.set_sparse_inference(True)  # None leaves the strategy as it is
-    assert all(b.attn1.sparse_processor.strategy == "batched" for b in model.transformer_blocks)
-    model.set_sparse_inference(True, strategy="auto")  # back to choosing by device
-    assert all(b.attn1.sparse_processor.strategy is None for b in model.transformer_blocks)
-    with pytest.raises(ValueError, match="strategy='fast'"):
-        model.set_sparse_inference(True, strategy="fast")
-    assert MoHSparseAttnProcessor.default_strategy(torch.device("cpu")) == "per_head"
-    assert MoHSparseAttnProcessor.default_strategy(torch.device("cuda")) == "batched"
-
-
 def test_bad_arguments_rejected():
-    with pytest.raises(ValueError, match="per_head"):
-        MoHSparseAttnProcessor("fast")
     with pytest.raises(ValueError, match="dense_above"):
         MoHSparseAttnProcessor(dense_above=1.5)
     for bad in (0, -1, 2.5, True):

@@ -20,19 +20,18 @@ and adds back a D-wide output row, so the layer moves about as much memory as th
 
 This module only computes. Whether a layer skips heads at all is decided in one place,
 ``fast_paths.choose_path``; nothing here imports the attention module or the model. Reading
-order: the density rule, the weights and the selection plan the strategies share, the three
-strategies (``per_head_attention``, ``batched_attention``, ``packed_attention``), the
-processor, the block helpers.
+order: the density rule, the weights and the selection plan, the computation
+(``per_head_attention``), the processor, the block helpers.
 
-Only portable torch operations are used (index_select, addmm / baddbmm,
-scaled_dot_product_attention, nested tensors, index_add_), so the same code runs on CPU and
-CUDA.
+Only portable torch operations are used (index_select, addmm, scaled_dot_product_attention,
+index_add_), so the same code runs on CPU and CUDA. One computation is kept: on a GPU no
+head-sparse variant measured (padded bmm, or jagged nested-tensor SDPA without a host sync)
+beat dense-masked attention, so automatic mode never chooses this path there
+(docs/sparse_attention.md).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,29 +40,22 @@ import torch.nn.functional as F
 
 
 __all__ = [
-    "STRATEGIES",
     "Routing",
     "skips_at_density",
     "Projections",
     "SelectionPlan",
     "per_head_attention",
-    "batched_attention",
-    "packed_attention",
     "MoHSparseAttnProcessor",
 ]
 
-STRATEGIES = ("per_head", "batched", "packed")
-# Size of one block of rows in the per-head strategy; the block buffer is reused, so no
+# Size of one block of rows of the Q and output projections; the block buffer is reused, so no
 # large buffer is allocated per call. Large rather than cache-sized: when other processes
 # share the cores every extra call can wait for a busy core (docs/sparse_attention.md).
 DEFAULT_BLOCK_BYTES = 8 << 20
-# The packed strategy passes min / max sequence lengths to its nested tensors (so that SDPA
-# needs no host sync to find them); older torch versions do not take them.
-_JAGGED_TAKES_SEQLEN = "max_seqlen" in inspect.signature(torch.nested.nested_tensor_from_jagged).parameters
 
 
 class Routing(Protocol):
-    """What the strategies read of a layer's ``MoHRouting`` (``attention.py``)."""
+    """What the head-sparse computation reads of a layer's ``MoHRouting`` (``attention.py``)."""
 
     gates: torch.Tensor  # (B, N, h) float32, zero for routed heads a token did not select
     routed_index: torch.Tensor | None  # (B, N, K) long, indices into the routed heads
@@ -71,7 +63,7 @@ class Routing(Protocol):
 
 
 # --------------------------------------------------------------------------------------
-# The density rule, and what the strategies share: the weights and the selection plan
+# The density rule, the weights and the selection plan
 # --------------------------------------------------------------------------------------
 
 
@@ -115,13 +107,12 @@ class Projections:
 
 @dataclass(frozen=True)
 class SelectionPlan:
-    """Which token uses which routed head, computed once per call (one host sync); the
-    ``per_head`` and ``batched`` strategies both work from it.
+    """Which token uses which routed head, computed once per call (one host sync).
 
     Tokens are grouped by (live routed head, image). Slot c of a group holds the c-th token
-    of that image that selected the head; groups are padded to the largest one, C. Unused
-    slots read token 0 of their image with a zero gate (``batched`` writes them to a sink
-    row; ``per_head`` leaves them out).
+    of that image that selected the head; groups are padded to the largest one, C, so that
+    the attention of all live heads is one SDPA call. Unused slots read token 0 of their
+    image with a zero gate and are left out of the projections.
     """
 
     batch: int
@@ -130,8 +121,6 @@ class SelectionPlan:
     head_ids: torch.Tensor  # (E',) their head ids, shared + live
     sizes: list[int]  # tokens that selected each live head, all images together
     cap: int  # C, the largest (head, image) group
-    member: torch.Tensor  # (E', B, N) bool, token selected the head
-    counts: torch.Tensor  # (E', B) group sizes
     x_row: torch.Tensor  # (E'*B*C,) row of the flattened input each slot reads
     in_use: torch.Tensor  # (E'*B*C,) bool, slot holds a token
     slot_gate: torch.Tensor  # (E'*B*C, 1) the token's gate for the head, zero in unused slots
@@ -163,13 +152,13 @@ class SelectionPlan:
         slot_gate = gates[..., head_ids].permute(2, 0, 1).gather(-1, token_of_slot).reshape(-1)  # (E'*B*C,)
         slot_gate = (slot_gate * in_use).unsqueeze(1)  # (E'*B*C, 1)
         sizes = [sum(counts_host[j]) for j in live]
-        return cls(batch, tokens, live, head_ids, sizes, cap, member, counts, x_row, in_use, slot_gate)
+        return cls(batch, tokens, live, head_ids, sizes, cap, x_row, in_use, slot_gate)
 
 
 def _shared_heads_and_kv(w: Projections, x: torch.Tensor, gates: torch.Tensor, plan: SelectionPlan):
     """K and V of every used head, and the output buffer started with the shared heads
     (dense) and ``to_out``'s bias. Returns ``key``, ``value`` (B, N, hs + E', d) and ``out``
-    (B*N + 1, D), whose extra sink row takes the unused slots of the batched strategy."""
+    (B*N, D)."""
     batch, tokens, rows = plan.batch, plan.tokens, plan.rows
     heads, head_dim, shared, dim = w.heads, w.head_dim, w.shared, x.shape[1]
     # No K and V biases, which saves a pass over each: the K bias adds q . b_k to a whole
@@ -182,7 +171,7 @@ def _shared_heads_and_kv(w: Projections, x: torch.Tensor, gates: torch.Tensor, p
     key = F.linear(x, w_k).view(batch, tokens, -1, head_dim)  # (B, N, hs + E', d)
     value = F.linear(x, w_v).view(batch, tokens, -1, head_dim)  # (B, N, hs + E', d)
 
-    out = x.new_empty(rows + 1, dim)  # (B*N + 1, D)
+    out = x.new_empty(rows, dim)  # (B*N, D)
     if shared:
         width = shared * head_dim
         q = F.linear(x, w.w_q[:width], None if w.b_q is None else w.b_q[:width])
@@ -192,11 +181,11 @@ def _shared_heads_and_kv(w: Projections, x: torch.Tensor, gates: torch.Tensor, p
         )  # (B, hs, N, d)
         o = o.transpose(1, 2) if w.b_v is None else o.transpose(1, 2) + w.b_v.view(heads, head_dim)[:shared]  # (B, N, hs, d)
         o = (o * gates[..., :shared, None]).reshape(rows, width)  # (B*N, hs*d)
-        _linear_into(out[:rows], o, w.w_out[:, :width], w.b_out)
+        _linear_into(out, o, w.w_out[:, :width], w.b_out)
     elif w.b_out is None:
-        out[:rows].zero_()
+        out.zero_()
     else:
-        out[:rows].copy_(w.b_out.expand(rows, dim))
+        out.copy_(w.b_out.expand(rows, dim))
     return key, value, out
 
 
@@ -215,34 +204,26 @@ def _routed_core(w: Projections, plan: SelectionPlan, q: torch.Tensor, key: torc
 
 
 # --------------------------------------------------------------------------------------
-# The strategies: each maps (weights, input (B, N, D), routing) to the output before
-# to_out's dropout, (B, N, D)
+# The computation: (weights, input (B, N, D), routing) -> the output before to_out's
+# dropout, (B, N, D)
 # --------------------------------------------------------------------------------------
-
-
-def _plan_and_shared_heads(w: Projections, hidden_states: torch.Tensor, routing: Routing):
-    """What the per-head and batched strategies start with: the input as rows (B*N, D), the
-    selection plan, K and V of every used head, and the output rows holding the shared
-    heads' part (plus to_out's bias and the sink row)."""
-    batch, tokens, dim = hidden_states.shape
-    x = hidden_states.reshape(batch * tokens, dim)  # (B*N, D)
-    gates = routing.gates.to(hidden_states.dtype)  # (B, N, h)
-    plan = SelectionPlan.of(routing, gates, w.shared)
-    key, value, out = _shared_heads_and_kv(w, x, gates, plan)
-    return x, plan, key, value, out
 
 
 def per_head_attention(
     w: Projections, hidden_states: torch.Tensor, routing: Routing, block_bytes: int = DEFAULT_BLOCK_BYTES
 ) -> torch.Tensor:
-    """The Q and output projections loop over the live routed heads; each head's selected
+    """The shared heads are computed dense; K and V are projected once for the shared and
+    the live routed heads; the Q and output projections loop over the live routed heads; each head's selected
     tokens of all images are packed without padding, gathered, projected and added back
     into their rows (``index_add_``) in blocks of ``block_bytes`` that stay in cache. On CPU
     the gather / scatter costs memory traffic, not FLOPs, so padding there and large
     buffers (above glibc's 32 MiB mmap threshold they are page-faulted in again on every
     call) would eat the savings."""
     batch, tokens, dim = hidden_states.shape
-    x, plan, key, value, out = _plan_and_shared_heads(w, hidden_states, routing)
+    x = hidden_states.reshape(batch * tokens, dim)  # (B*N, D)
+    gates = routing.gates.to(hidden_states.dtype)  # (B, N, h)
+    plan = SelectionPlan.of(routing, gates, w.shared)
+    key, value, out = _shared_heads_and_kv(w, x, gates, plan)
     if plan.live:
         heads, head_dim, shared = w.heads, w.head_dim, w.shared
         w_q, w_o = w.w_q.view(heads, head_dim, dim), w.w_out.view(dim, heads, head_dim)  # (h, d, D), (D, h, d)
@@ -262,111 +243,7 @@ def per_head_attention(
         o_used = _routed_core(w, plan, q, key, value).index_select(0, used)  # (P, d)
         for part, j in zip(parts, plan.live):
             _linear_scattered_add(out, used_rows[part], o_used[part], w_o[:, shared + j], buffer)
-    return out[: plan.rows].view(batch, tokens, dim)
-
-
-def batched_attention(w: Projections, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """The Q and output projections of all live routed heads are single padded bmm calls
-    (few kernel launches); padded slots read token 0 and write to a sink row. On CUDA its
-    ``index_add_`` of the heads' output rows uses atomics, so results may differ in the last
-    bits between runs."""
-    batch, tokens, dim = hidden_states.shape
-    x, plan, key, value, out = _plan_and_shared_heads(w, hidden_states, routing)
-    if plan.live:
-        heads, head_dim, n, chosen = w.heads, w.head_dim, len(plan.live), plan.head_ids
-        xs = x.index_select(0, plan.x_row).view(n, batch * plan.cap, dim)  # (E', B*C, D)
-        w_q = w.w_q.view(heads, head_dim, dim)[chosen].transpose(1, 2)  # (E', D, d)
-        if w.b_q is None:
-            q = torch.bmm(xs, w_q)
-        else:
-            q = torch.baddbmm(w.b_q.view(heads, 1, head_dim)[chosen], xs, w_q)  # (E', B*C, d)
-        o = _routed_core(w, plan, q, key, value)  # (E'*B*C, d)
-        w_o = w.w_out.view(dim, heads, head_dim)[:, chosen].permute(1, 2, 0)  # (E', d, D)
-        y = torch.bmm(o.view(n, batch * plan.cap, head_dim), w_o)  # (E', B*C, D)
-        out.index_add_(0, torch.where(plan.in_use, plan.x_row, plan.rows), y.view(-1, dim))
-    return out[: plan.rows].view(batch, tokens, dim)
-
-
-def packed_attention(w: Projections, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """No host sync, no Python loop over heads, static shapes except inside the attention
-    core; so it does not use the ``SelectionPlan`` (whose live heads and group sizes are
-    read on the host).
-
-    Q, K and V are projected for all heads and the output projection is one GEMM over
-    all heads (on a GPU these GEMMs are cheap, while gathering and scattering D-wide
-    rows per (token, head) pair moves more bytes than the whole dense layer). What is
-    skipped is the attention core, the part that grows with N: the B*N*K selected
-    (token, head) pairs are sorted into (routed head, image) groups, and one jagged
-    SDPA call (nested tensor; flash / memory-efficient varlen kernels on CUDA) attends
-    each group's queries to its N keys. Every group carries one extra sink query (gate
-    0, written to a discarded row), so no group is empty: fused kernels refuse
-    zero-length sequences. Unselected pairs stay zero before the output projection.
-    """
-    if not _JAGGED_TAKES_SEQLEN:
-        raise RuntimeError(
-            f"the 'packed' head-sparse strategy needs a torch whose nested_tensor_from_jagged takes "
-            f"min_seqlen / max_seqlen (torch {torch.__version__} does not); use strategy='batched' or 'per_head'."
-        )
-    batch, tokens, dim = hidden_states.shape
-    heads, head_dim, shared = w.heads, w.head_dim, w.shared
-    rows, groups = batch * tokens, (heads - shared) * batch
-    x = hidden_states.reshape(rows, dim)  # (B*N, D)
-    query = F.linear(x, w.w_q, w.b_q).view(rows, heads, head_dim)  # (B*N, h, d)
-    key = F.linear(x, w.w_k, w.b_k).view(batch, tokens, heads, head_dim)  # (B, N, h, d)
-    value = F.linear(x, w.w_v, w.b_v).view(batch, tokens, heads, head_dim)
-
-    # Gated attention output of every (token, head) pair, zero where not selected; then
-    # one sink row per group.
-    z = x.new_zeros(rows * heads + groups, head_dim)
-    if shared:
-        o = F.scaled_dot_product_attention(
-            query.view(batch, tokens, heads, head_dim)[:, :, :shared].transpose(1, 2),
-            key[:, :, :shared].transpose(1, 2), value[:, :, :shared].transpose(1, 2),
-        )  # (B, hs, N, d)
-        o = o.transpose(1, 2) * routing.gates[..., :shared, None].to(o.dtype)  # (B, N, hs, d)
-        z[: rows * heads].view(rows, heads, head_dim)[:, :shared] = o.reshape(rows, shared, head_dim)
-
-    if routing.routed_index.shape[-1]:  # routed heads (K = 0 leaves only the shared heads on)
-        _packed_routed(z, query, key, value, routing, shared)
-    out = F.linear(z[: rows * heads].view(rows, heads * head_dim), w.w_out, w.b_out)  # (B*N, D)
     return out.view(batch, tokens, dim)
-
-
-def _packed_routed(z, query, key, value, routing, shared):
-    """Write the gated outputs of the selected (token, routed head) pairs into ``z``
-    ((B*N*h + G, d): rows ``token * h + head``, then one sink row per group)."""
-    batch, tokens, heads, head_dim = key.shape
-    k, device = routing.routed_index.shape[-1], key.device
-    rows, groups = batch * tokens, (heads - shared) * batch
-
-    # The selected pairs (ordered by image, token, slot) and one sink per group, sorted
-    # into groups g = routed head * B + image, sinks last in their group.
-    pairs = rows * k
-    head = torch.cat([routing.routed_index.reshape(-1), torch.arange(groups, device=device) // batch])  # (P+G,)
-    image = torch.cat([
-        torch.arange(batch, device=device).repeat_interleave(tokens * k), torch.arange(groups, device=device) % batch
-    ])
-    sink = torch.arange(pairs + groups, device=device) >= pairs
-    group = head * batch + image  # (P+G,)
-    order = torch.argsort(group * 2 + sink, stable=True)
-    head, sink, group = head[order], sink[order], group[order]
-    row = torch.cat([torch.arange(rows, device=device).repeat_interleave(k), torch.zeros(groups, dtype=torch.long, device=device)])[order]
-    gate = torch.cat([routing.routed_gates.reshape(-1), routing.routed_gates.new_zeros(groups)])[order]
-    # Group sizes by scatter_add (bincount would sync on CUDA to size its output); each >= 1.
-    lengths = torch.zeros(groups, dtype=torch.long, device=device).scatter_add_(0, group, torch.ones_like(group))
-    offsets = F.pad(lengths.cumsum(0), (1, 0))  # (G+1,)
-
-    q = query[row, shared + head].unsqueeze(1)  # (P+G, 1, d)
-    kv_offsets = torch.arange(groups + 1, device=device) * tokens
-    kv = [t[:, :, shared:].permute(2, 0, 1, 3).reshape(groups * tokens, 1, head_dim) for t in (key, value)]
-    nested = torch.nested.nested_tensor_from_jagged
-    o = F.scaled_dot_product_attention(
-        nested(q, offsets, min_seqlen=1, max_seqlen=tokens + 1).transpose(1, 2),
-        nested(kv[0], kv_offsets, min_seqlen=tokens, max_seqlen=tokens).transpose(1, 2),
-        nested(kv[1], kv_offsets, min_seqlen=tokens, max_seqlen=tokens).transpose(1, 2),
-    ).transpose(1, 2).values().squeeze(1)  # (P+G, d), in the packed order
-    target = torch.where(sink, rows * heads + group, row * heads + shared + head)  # rows of z
-    z.index_copy_(0, target, o * gate.to(o.dtype).unsqueeze(1))
 
 
 # --------------------------------------------------------------------------------------
@@ -389,31 +266,19 @@ class MoHSparseAttnProcessor:
     computes dense-masked there).
 
     Args:
-        strategy: how the routed heads are processed: ``"per_head"``
-            (``per_head_attention``), ``"batched"`` (``batched_attention``) or ``"packed"``
-            (``packed_attention``). ``per_head`` and ``batched`` run the attention of all
-            routed heads as one SDPA call on (head, image) groups padded to the largest
-            group (padding costs only SDPA work there), and read the group sizes on the
-            host (one sync). ``packed`` has no host sync and no loop over heads;
-            projections stay dense and only the attention core skips, at the price of
-            nested-tensor dispatch on the host. ``None`` (default): ``"per_head"`` on CPU,
-            ``"batched"`` elsewhere.
         dense_above: routed density ``K / (h - hs)`` above which ``MoHAttention`` runs the
             layer dense-masked instead (``skips_at_density``): near full density gathering
             and scattering the selected tokens costs more than the skipped heads save.
             1.0 always skips.
-        block_bytes: size of the reused row blocks of the ``per_head`` strategy (default
+        block_bytes: size of the reused row blocks of the Q and output projections (default
             ``DEFAULT_BLOCK_BYTES``, 8 MiB).
     """
 
-    def __init__(self, strategy: str | None = None, dense_above: float = 0.8, block_bytes: int = DEFAULT_BLOCK_BYTES):
-        if strategy is not None and strategy not in STRATEGIES:
-            raise ValueError(f"strategy={strategy!r}; choose one of {STRATEGIES} or None (automatic).")
+    def __init__(self, dense_above: float = 0.8, block_bytes: int = DEFAULT_BLOCK_BYTES):
         if not 0.0 <= dense_above <= 1.0:
             raise ValueError(f"dense_above={dense_above} must be in [0, 1].")
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
             raise ValueError(f"block_bytes={block_bytes!r} must be a positive integer (bytes).")
-        self.strategy = strategy
         self.dense_above = dense_above
         self.block_bytes = block_bytes
 
@@ -423,12 +288,6 @@ class MoHSparseAttnProcessor:
         ``fast_paths.choose_path`` makes the whole one."""
         return skips_at_density(attn.top_k, attn.num_routed_heads, self.dense_above)
 
-    @staticmethod
-    def default_strategy(device: torch.device) -> str:
-        """The strategy used when none is given: ``"per_head"`` on CPU, ``"batched"`` elsewhere
-        (on a GPU the padded bmm calls need the fewest kernel launches)."""
-        return "per_head" if device.type == "cpu" else "batched"
-
     def __call__(self, attn: Any, hidden_states: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         if routing is None:
             routing = attn.route(hidden_states)
@@ -437,23 +296,16 @@ class MoHSparseAttnProcessor:
         if routing is None or routing.routed_index is None or routing.routed_index.shape[-1] >= attn.num_routed_heads:
             return attn._default_processor_cls()(attn, hidden_states, routing)
         attn.routing = routing  # where the block reads the statistics, as after the default processor
-        device = hidden_states.device
-        if torch.is_autocast_enabled(device.type):
+        if torch.is_autocast_enabled(hidden_states.device.type):
             raise ValueError(
                 "MoHSparseAttnProcessor does not compute inside an autocast region; cast the model "
                 "(model.to(dtype)) instead, or call the layer itself, which computes dense-masked there."
             )
-        strategy = self.strategy or self.default_strategy(device)
-        compute = {
-            "per_head": functools.partial(per_head_attention, block_bytes=self.block_bytes),
-            "batched": batched_attention,
-            "packed": packed_attention,
-        }[strategy]
-        return attn.to_out[1](compute(Projections.of(attn), hidden_states, routing))
+        return attn.to_out[1](per_head_attention(Projections.of(attn), hidden_states, routing, self.block_bytes))
 
 
 # --------------------------------------------------------------------------------------
-# Helpers of the per-head and batched strategies
+# Block helpers
 # --------------------------------------------------------------------------------------
 
 

@@ -32,7 +32,6 @@ from .config_checks import check_transformer_config
 from .fast_paths import SparseInferencePolicy
 from .layout import HeadLayout, min_top_k, top_k_for_ratio
 from .presets import get_preset
-from .sparse_attention import STRATEGIES as SPARSE_STRATEGIES
 
 __all__ = [
     "MoHRouting",
@@ -347,9 +346,7 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin, AttentionMixin, PeftAdap
             block.attn1.top_k = k
         return self.head_activation_ratio
 
-    def set_sparse_inference(
-        self, enabled: bool | None, strategy: str | None = None, policy: SparseInferencePolicy | None = None
-    ) -> None:
+    def set_sparse_inference(self, enabled: bool | None, policy: SparseInferencePolicy | None = None) -> None:
         """Choose the attention path used in eval mode for every MoH layer.
 
         ``True`` forces the head-sparse path (``MoHSparseAttnProcessor``: unselected routed
@@ -366,25 +363,16 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin, AttentionMixin, PeftAdap
         ``fast_paths.choose_path`` decides, per layer and call).
         Training mode always uses the dense-masked path. A dense DiT ignores the setting.
 
-        ``strategy`` (optional) sets how the head-sparse path works on every layer:
-        ``"per_head"``, ``"batched"`` or ``"packed"`` (see ``MoHSparseAttnProcessor``), or
-        ``"auto"`` to choose by device again (``per_head`` on CPU, ``batched`` on CUDA);
-        ``None`` leaves it as it is.
-
         ``policy`` (optional) sets automatic mode's thresholds on every layer (a
         ``SparseInferencePolicy``: largest active fraction of heads, smallest tokens x inner
         width, devices); ``None`` leaves them as they are (by default the values above).
         """
         if enabled is not None and not isinstance(enabled, bool):
             raise ValueError(f"set_sparse_inference takes True, False or None; got {enabled!r}.")
-        if strategy is not None and strategy != "auto" and strategy not in SPARSE_STRATEGIES:
-            raise ValueError(f"strategy={strategy!r}; choose one of {SPARSE_STRATEGIES}, 'auto' or None.")
         if policy is not None and not isinstance(policy, SparseInferencePolicy):
             raise ValueError(f"policy must be a SparseInferencePolicy or None; got {policy!r}.")
         for block in self.transformer_blocks:
             block.attn1.sparse_inference = enabled
-            if strategy is not None:
-                block.attn1.sparse_processor.strategy = None if strategy == "auto" else strategy
             if policy is not None:
                 block.attn1.sparse_policy = policy
 
