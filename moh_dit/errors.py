@@ -41,7 +41,9 @@ class MoHDiTError(Exception):
         message = str(self)
         for name in self.parameters:
             if name in flags:
-                message = re.sub(rf"(?<![\w.-]){re.escape(name)}(?!\w)", flags[name], message)
+                # The name as a word, not inside another name (cfg.output_dir, output_dir_name), a path
+                # (runs/classifier/x) or a file name (classifier.json).
+                message = re.sub(rf"(?<![\w./\\-]){re.escape(name)}(?![\w/\\]|\.\w)", flags[name], message)
         return message
 
 
