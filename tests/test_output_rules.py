@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
+import shutil
 
 import pytest
 
@@ -170,13 +172,13 @@ def _moh(root: Path) -> Path:
 
 def _data(root: Path) -> Path:
     if not (root / "data").exists():
-        make_demo_dataset(root / "data", images_per_class=1, image_size=16)
+        make_demo_dataset(root / "data", images_per_class=2, image_size=16)
     return root / "data"
 
 
 def _images(path: Path, count: int = 4) -> Path:
     rng = np.random.default_rng(0)
-    np.savez(path, arr_0=rng.integers(0, 256, (count, 16, 16, 3), dtype=np.uint8))
+    np.savez(path, arr_0=rng.integers(0, 256, (count, 8, 8, 3), dtype=np.uint8))  # the size _moh samples
     return path
 
 
@@ -332,3 +334,48 @@ def test_an_output_inside_an_input_is_refused_before_any_work(module, where, tmp
     argv = recipe(root, out) + (["--overwrite"] if where == "equal" and WRITERS[module][3] else [])
     # Equal to an input, the folder is also not the command's own output: either refusal will do.
     refuses(module, argv, r"lies inside" if where == "inside" else r"is --|already|would replace")
+
+
+@pytest.mark.parametrize("module", [m for m in WRITERS if m != "train"])
+def test_every_spelling_of_a_folder_meets_the_same_lock(module, tmp_path, refuses):
+    """A link to the output folder is the same folder: a command writing it through the link
+    stops at once while another writes it under its own name (and the other way round)."""
+    name, recipe, _, _ = WRITERS[module]
+    (tmp_path / "in").mkdir()
+    real, alias = tmp_path / "real", tmp_path / "alias"
+    real.mkdir()
+    alias.symlink_to(real, target_is_directory=True)
+    for held, used in ((real, alias), (alias, real)):
+        with hold_output_folder(held, "sample"):
+            refuses(module, _rerun(module, recipe(tmp_path / "in", used)),
+                    r"being written by another command \(moh-dit sample")
+
+
+def _rerun(module: str, argv: list) -> list:
+    """The arguments that run ``module`` again on the folder it made (replacing it where the
+    command replaces, else resuming or finishing it)."""
+    return argv + (["--overwrite"] if WRITERS[module][3] else [])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", [m for m in WRITERS if m != "train"])
+def test_a_link_inside_the_output_is_never_written_through(module, tmp_path, refuses, load_script):
+    """A link planted anywhere below a finished output folder (here in place of a subfolder or
+    beside the files) is refused, naming it, before the command writes anything, and the
+    folder it points to is left as it was."""
+    name, recipe, _, _ = WRITERS[module]
+    (tmp_path / "in").mkdir()
+    out = tmp_path / "out"
+    argv = [str(a) for a in recipe(tmp_path / "in", out)]
+    assert load_script(module).cli(argv) == 0
+    victim = tmp_path / "user"
+    victim.mkdir()
+    (victim / "000003.png").write_bytes(b"the user's image")
+    sub = next((p for p in sorted(out.rglob("*")) if p.is_dir()), None)
+    planted = out / "planted" if sub is None else sub
+    if sub is not None:
+        shutil.move(sub, tmp_path / "moved")
+    planted.symlink_to(victim, target_is_directory=True)
+    refuses(module, _rerun(module, argv), re.escape(str(planted.relative_to(tmp_path))))
+    assert [p.name for p in victim.iterdir()] == ["000003.png"]
+    assert (victim / "000003.png").read_bytes() == b"the user's image"

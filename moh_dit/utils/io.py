@@ -30,6 +30,8 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Iterator
 
+from ..errors import OutputExists
+
 __all__ = ["FileLockedError", "LinkRefusedError", "atomic_write", "naming_path", "naming_write_errors", "current_umask", "lock_file", "publish_folder", "read_lock_info",
            "set_ordinary_permissions", "sha256_file", "write_bytes_atomic", "write_json_atomic", "write_lines_atomic",
            "write_lock_info"]
@@ -207,8 +209,9 @@ def sha256_file(path: str | os.PathLike, fsync: bool = False) -> str:
     return digest.hexdigest()
 
 
-class LinkRefusedError(FileExistsError):
-    """A lock or record file is a symbolic link: the package never writes through one."""
+class LinkRefusedError(OutputExists):
+    """A lock or record file, or something inside an output folder, is a symbolic link: the
+    package never writes through one."""
 
 
 class FileLockedError(BlockingIOError):

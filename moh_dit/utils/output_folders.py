@@ -1,9 +1,9 @@
 """The rules every command that writes an output folder follows (docs/design.md, "Output folders").
 
 - **One writer per output folder.** :func:`hold_output_folder` takes an operating-system lock
-  on ``.NAME.lock`` beside the folder for as long as the command writes it; a second command
-  writing the same folder stops at once, naming the holder. (Training keeps its own lock
-  inside the run folder, ``OUT/.lock``.) Lock files are never written through a link.
+  on ``.NAME.lock`` beside the resolved folder for as long as the command writes it; a second
+  command writing the same folder, under any spelling, stops at once, naming the holder.
+  Lock files are never written through a link, and a folder with a link below it is refused.
 - **Nothing deleted that the package did not write.** Every output folder gets a marker,
   :data:`OUTPUT_MARKER`, saying which command wrote it; ``--overwrite`` replaces only a folder
   with that marker (or one its writer recognises, or an empty one): :func:`check_output_folder`.
@@ -24,15 +24,17 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
-from .io import FileLockedError, lock_file, write_json_atomic, write_lock_info
+from ..errors import FolderInUse
+from .io import FileLockedError, LinkRefusedError, lock_file, write_json_atomic, write_lock_info
 
 __all__ = ["OUTPUT_MARKER", "OutputFolderBusyError", "check_folder_path", "check_outside_inputs",
-           "check_output_folder", "hold_output_folder", "is_package_output", "marked_by", "write_output_marker"]
+           "check_output_folder", "find_link_inside", "hold_output_folder", "is_package_output", "lock_path", "marked_by",
+           "write_output_marker"]
 
 OUTPUT_MARKER = ".moh-dit-output.json"
 
 
-class OutputFolderBusyError(FileExistsError):
+class OutputFolderBusyError(FolderInUse):
     """Another command is writing the output folder."""
 
 
@@ -129,35 +131,56 @@ def check_outside_inputs(output: str | os.PathLike, inputs: Mapping[str, str | o
                              f"reads; choose an {output_flag} outside {flag}.")
 
 
-def _lock_path(folder: Path) -> Path:
-    return folder.parent / f".{folder.name}.lock"
+def lock_path(folder: str | os.PathLike) -> Path:
+    """The one-writer lock of ``folder``: ``.NAME.lock`` beside the folder it resolves to (links
+    followed, ``..`` removed), so every spelling of one folder, a link to it included, meets
+    the same lock."""
+    real = Path(folder).expanduser().resolve()
+    return real.parent / f".{real.name}.lock"
 
 
-def _busy(folder: Path, flag: str, holder: dict | None, lock: Path) -> OutputFolderBusyError:
+def find_link_inside(folder: str | os.PathLike) -> Path | None:
+    """The first symbolic link anywhere below ``folder`` (not ``folder`` itself), or None.
+
+    A command writes below its output folder by name: a link planted there (``samples/`` ->
+    a user's folder) would redirect those writes outside the output, so a folder holding one
+    is refused instead."""
+    for parent, dirs, files in os.walk(folder):  # os.walk does not descend into linked folders
+        for name in sorted(dirs + files):
+            path = Path(parent) / name
+            if path.is_symlink():
+                return path
+    return None
+
+
+def _busy(folder: Path, parameter: str, holder: dict | None, lock: Path) -> OutputFolderBusyError:
     who = (f"{holder.get('command', 'a moh-dit command')}, pid {holder.get('pid')} on host {holder.get('host')}, "
            f"started {holder.get('started')}" if holder else "holder unknown: it is just starting")
-    return OutputFolderBusyError(f"{flag} {folder} is being written by another command ({who}; lock {lock}). "
-                                 f"Wait for it to finish, or choose another {flag}.")
+    return OutputFolderBusyError(f"{parameter} {folder} is being written by another command ({who}; lock {lock}). "
+                                 f"Wait for it to finish, or choose another {parameter}.", parameters=parameter)
 
 
 @contextlib.contextmanager
-def hold_output_folder(folder: str | os.PathLike, command: str, flag: str = "--output-dir") -> Iterator[None]:
+def hold_output_folder(folder: str | os.PathLike, command: str, parameter: str = "output_dir") -> Iterator[None]:
     """Be the one writer of ``folder`` while the block runs (the folder need not exist yet).
 
-    The lock is ``.NAME.lock`` beside the folder, so it also covers writers that build the
-    folder elsewhere and publish it whole; the operating system releases it if the process
-    dies, and the file is removed when the block ends. A second writer gets
-    :class:`OutputFolderBusyError` naming the holder. Take it after the read-only checks and
-    before any work.
+    Every command that writes a folder, training included, takes this lock, :func:`lock_path`:
+    beside the resolved folder, so it also covers writers that build the folder elsewhere and
+    publish it whole, and every spelling of the folder meets it. The operating system releases
+    it if the process dies, and the file is removed when the block ends. A second writer gets
+    :class:`OutputFolderBusyError` naming the holder; a folder holding a symbolic link
+    anywhere below it is refused (:class:`LinkRefusedError`, naming the link), since writes
+    into it would follow the link. ``parameter`` names the folder in messages (the command
+    line shows its flag). Take it after the read-only checks and before any work.
     """
     folder = Path(folder)
-    lock = _lock_path(folder.absolute().parent.resolve() / folder.name)  # one lock however it is spelled
+    lock = lock_path(folder)
     lock.parent.mkdir(parents=True, exist_ok=True)
     while True:
         try:
             fd = lock_file(lock, create=True)
         except FileLockedError as error:
-            raise _busy(folder, flag, error.holder, lock) from None
+            raise _busy(folder, parameter, error.holder, lock) from None
         # The previous holder removes the file as it lets go: a lock taken on a file that is
         # no longer at ``lock`` holds nothing; take the new one.
         try:
@@ -168,6 +191,12 @@ def hold_output_folder(folder: str | os.PathLike, command: str, flag: str = "--o
             break
         os.close(fd)
     try:
+        link = find_link_inside(folder) if folder.is_dir() else None
+        if link is not None:
+            raise LinkRefusedError(
+                f"{parameter} {folder} holds a symbolic link, {link} -> {os.readlink(link)}; a command never writes "
+                f"through a link inside its output. Remove the link, or choose another {parameter}.",
+                parameters=parameter)
         write_lock_info(fd, {"command": f"moh-dit {command}", "pid": os.getpid(), "host": socket.gethostname(),
                              "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "argv": sys.argv})
         yield
