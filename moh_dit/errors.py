@@ -13,6 +13,7 @@ Each subclass also derives from the built-in exception a caller would expect, so
 class                  also a                raised when
 =====================  ====================  ==========================================
 ``InvalidInput``       ``ValueError``        a value given is wrong or does not fit
+``InputNotFound``      ``FileNotFoundError`` a file or folder given does not exist
 ``FolderInUse``        ``FileExistsError``   another process writes the folder
 ``OutputExists``       ``FileExistsError``   the output holds what this call may not replace
 ``DamagedFile``        ``ValueError``        a file is truncated, unreadable or fails its hash
@@ -25,7 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-__all__ = ["MoHDiTError", "InvalidInput", "FolderInUse", "OutputExists", "DamagedFile", "TrainingDiverged"]
+__all__ = ["MoHDiTError", "InvalidInput", "InputNotFound", "FolderInUse", "OutputExists", "DamagedFile", "TrainingDiverged"]
 
 
 class MoHDiTError(Exception):
@@ -50,6 +51,10 @@ class MoHDiTError(Exception):
 class InvalidInput(MoHDiTError, ValueError):
     """A value given to the package is wrong, out of range, or does not fit the model, the data
     or the machine."""
+
+
+class InputNotFound(MoHDiTError, FileNotFoundError):
+    """A file or folder given to the package does not exist (the message names it)."""
 
 
 class FolderInUse(MoHDiTError, FileExistsError):
