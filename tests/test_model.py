@@ -629,3 +629,18 @@ def test_head_layout_is_parsed_once():
     assert model.layout == layout and model.trained_top_k == [0, 1, 1, 2, 1, 2]
     with pytest.raises(ValueError, match="Layer 1: top_k=3"):
         HeadLayout.parse(2, 4, [4, 2], [0, 3])
+
+
+def test_weights_that_do_not_fit_the_config_name_the_folder(tmp_path):
+    """An edited config.json (out_channels 7) whose weights no longer fit is refused naming the
+    folder and the parameter, where diffusers names neither."""
+    from moh_dit.errors import DamagedFile
+
+    folder = tmp_path / "model"
+    MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["out_channels"] = 7
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DamagedFile) as error:
+        MoHDiTTransformer2DModel.from_pretrained(folder)
+    assert str(folder) in str(error.value) and "proj_out_2" in str(error.value)

@@ -28,6 +28,7 @@ from diffusers.utils import BaseOutput
 from torch import nn
 
 from .attention import MoHAttention, MoHAttnProcessor, MoHRouting
+from ..errors import DamagedFile
 from .config_checks import check_transformer_config
 from .fast_paths import SparseInferencePolicy
 from .layout import HeadLayout, min_top_k, top_k_for_ratio
@@ -248,6 +249,22 @@ class MoHDiTTransformer2DModel(ModelMixin, ConfigMixin, AttentionMixin, PeftAdap
             raise OSError(f"{folder} is a pipeline folder, not a model folder: pass subfolder=\"transformer\" to load "
                           "its transformer.")
         return super().load_config(pretrained_model_name_or_path, *args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args: Any, **kwargs: Any):
+        """``ModelMixin.from_pretrained``; weights whose shapes do not fit the folder's
+        ``config.json`` (an edited config, or files of two models mixed) are refused naming the
+        folder, where diffusers' message names neither."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except ValueError as error:
+            if "expected shape" not in str(error):
+                raise
+            folder = Path(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+            detail = str(error).partition(" because ")[2].partition(". ")[0] or str(error)
+            raise DamagedFile(f"{folder}: the weights do not fit its config.json ({detail}); the config and the "
+                              "weights come from different models: save the model again, or restore its config.json.",
+                              parameters="pretrained_model_name_or_path") from None
 
     def initialize_weights(self) -> None:
         """DiT's initialisation: xavier-uniform linears with zero bias, patch embedding as a
