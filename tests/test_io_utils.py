@@ -1,9 +1,14 @@
 """The package's one way to publish a folder and to switch TF32."""
 
+import signal
+import socket
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from moh_dit.utils.io import publish_folder
+from moh_dit.utils.io import publish_folder, write_bytes_atomic
 from moh_dit.utils.runtime import set_tf32, tf32_disabled
 
 
@@ -129,3 +134,26 @@ def test_current_umask_is_read_without_changing_it():
     old = os.umask(0o002)
     os.umask(old)
     assert current_umask() == old
+
+
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_scratch_a_killed_writer_left_is_removed_by_the_next_one(tmp_path, kind):
+    """A writer killed mid-way leaves its hidden scratch beside the target; the next write of
+    the same target removes it. Scratch of a live process is left alone."""
+    target = tmp_path / "data"
+    opened = "publish_folder(target) as t" if kind == "folder" else "atomic_write(target) as t"
+    code = ("import time\nfrom pathlib import Path\nfrom moh_dit.utils.io import atomic_write, publish_folder\n"
+            f"target = Path({str(target)!r})\nwith {opened}:\n    print('ready', flush=True)\n    time.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith(".data.")]) == 1 and not target.exists()
+    live = tmp_path / f".data.{'tmp' if kind == 'folder' else 'part'}-{socket.gethostname()}-1-keep"
+    live.mkdir()  # pid 1 is always running
+    if kind == "folder":
+        with publish_folder(target) as t:
+            (t / "x").write_text("2")
+    else:
+        write_bytes_atomic(target, b"2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["data", live.name])

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import stat
 import tempfile
 import uuid
@@ -32,7 +33,7 @@ from typing import IO, Any, Iterator
 
 from ..errors import OutputExists
 
-__all__ = ["FileLockedError", "LinkRefusedError", "atomic_write", "naming_path", "naming_write_errors", "current_umask", "lock_file", "publish_folder", "read_lock_info",
+__all__ = ["FileLockedError", "LinkRefusedError", "atomic_write", "naming_path", "naming_write_errors", "current_umask", "lock_file", "publish_folder", "read_lock_info", "remove_stale_scratch",
            "set_ordinary_permissions", "sha256_file", "write_bytes_atomic", "write_json_atomic", "write_lines_atomic",
            "write_lock_info"]
 
@@ -117,6 +118,40 @@ def naming_write_errors(path: str | os.PathLike) -> Iterator[None]:
         raise OSError(code, f"{os.strerror(code)} while writing {path}", str(path)) from error
 
 
+def _scratch_prefix(path: Path, kind: str) -> str:
+    """Name prefix of this process's scratch files and folders for ``path``: the host and pid
+    in the name tell a later run which ones a killed process left behind."""
+    return f".{path.name}.{kind}-{socket.gethostname()}-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_scratch(path: str | os.PathLike, kind: str) -> None:
+    """Remove the scratch files or folders (``kind``: ``"tmp"`` or ``"part"``) that a process of
+    this host left beside ``path`` when it was killed before finishing: those whose pid is not
+    running. Scratch of live processes, of other hosts, and links are left alone."""
+    path = Path(path)
+    prefix = _scratch_prefix(path, kind).rsplit("-", 2)[0] + "-"  # ".NAME.kind-HOST-"
+    if not path.parent.is_dir():
+        return
+    for entry in path.parent.iterdir():
+        pid = entry.name[len(prefix):].split("-", 1)[0] if entry.name.startswith(prefix) else ""
+        if pid.isdigit() and not entry.is_symlink() and not _alive(int(pid)):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    entry.unlink()
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary file beside ``path`` for writing; rename it to ``path`` on success.
@@ -124,7 +159,8 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     OSError while writing (disk full, say) names ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_stale_scratch(path, "part")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_scratch_prefix(path, "part"))
     try:
         # mkstemp makes the file owner-only (0600); give it the mode an ordinary open() would.
         os.fchmod(fd, _ordinary_mode(False, False, current_umask()))
@@ -150,7 +186,8 @@ def publish_folder(path: str | os.PathLike, replace: bool = False) -> Iterator[P
     after the new folder is in place, so a crash at any moment leaves one complete copy
     (the old one may then remain as ``.NAME.old-*`` beside it). Whether replacing is allowed
     is the caller's decision, checked before any work; without ``replace`` an existing
-    ``path`` raises FileExistsError. On failure the temporary folder is removed.
+    ``path`` raises FileExistsError. On failure the temporary folder is removed, and one that a
+    killed earlier run left beside ``path`` is removed when the next one starts.
 
     The published folder and everything in it get the permissions an ordinary ``mkdir`` /
     ``open`` gives under the umask (:func:`set_ordinary_permissions`), whoever wrote the files;
@@ -158,7 +195,8 @@ def publish_folder(path: str | os.PathLike, replace: bool = False) -> Iterator[P
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    remove_stale_scratch(path, "tmp")
+    tmp = Path(tempfile.mkdtemp(prefix=_scratch_prefix(path, "tmp"), dir=path.parent))
     try:
         yield tmp
         set_ordinary_permissions(tmp)
