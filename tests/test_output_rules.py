@@ -17,7 +17,8 @@ from moh_dit.utils.io import LinkRefusedError, atomic_write, lock_file
 from moh_dit.utils.output_folders import (OUTPUT_MARKER, OutputFolderBusyError, check_output_folder,
                                           check_outside_inputs, hold_output_folder, is_package_output,
                                           write_output_marker)
-from moh_dit.utils.resources import check_fits_in_memory
+from moh_dit.errors import InvalidInput
+from moh_dit.utils.resources import check_fits_in_memory, check_fits_on_disk
 
 
 @pytest.mark.parametrize("target", ["file", "missing"])
@@ -138,11 +139,15 @@ def test_a_bug_keeps_its_traceback():
         run_cli(main, parse, [])
 
 
-def test_sizes_beyond_the_machine_are_refused():
-    with pytest.raises(ValueError, match=r"--num-samples 9 needs about 1\.0 GiB of memory, more than the 1\.0 MiB "
-                                         r"available on this machine; use fewer\."):
-        check_fits_in_memory(2**30, "--num-samples 9", "use fewer", available=2**20)
-    check_fits_in_memory(2**19, "--num-samples 9", "use fewer", available=2**20)
+def test_sizes_beyond_the_machine_are_refused(tmp_path):
+    with pytest.raises(InvalidInput, match=r"num_samples 9 needs about 1\.0 GiB of memory, more than the 1\.0 MiB") as error:
+        check_fits_in_memory(2**30, "num_samples 9", "use fewer", available=2**20, parameters="num_samples")
+    assert error.value.for_command({"num_samples": "--num-samples"}).startswith("--num-samples 9 needs")
+    check_fits_in_memory(2**19, "num_samples 9", "use fewer", available=2**20)
+    with pytest.raises(InvalidInput, match=r"writes about 8\.0 EiB|writes about 8192\.0 PiB"):
+        check_fits_on_disk(2.0**63, tmp_path / "new" / "folder", "images_per_class 9", "use fewer")
+    check_fits_on_disk(1, tmp_path / "new", "images_per_class 9", "use fewer")
+    assert not (tmp_path / "new").exists()
 
 
 # --------------------------------------------------------------------------------------
