@@ -24,7 +24,7 @@ class                  also a                raised when
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from typing import Mapping  # as the model modules bundled with it (hub.bundle: one name, one meaning)
 
 __all__ = ["MoHDiTError", "InvalidInput", "InputNotFound", "FolderInUse", "OutputExists", "DamagedFile", "TrainingDiverged"]
 
