@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import moh_dit.evaluation as ev
+from moh_dit.errors import InvalidInput
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,8 +103,24 @@ def test_image_sets_whose_features_cannot_fit_are_refused_first(inputs, refuses,
     from moh_dit.utils import resources
 
     monkeypatch.setattr(resources, "available_memory", lambda: 2**16)
-    refuses("evaluate", _argv(inputs), r"evaluating 5 samples of .*samples\.npz and the reference images \(10 images "
-                                       r"in all\) needs about .* of memory, more than the 64\.0 KiB available")
+    refuses("evaluate", _argv(inputs), r"5 samples of .*samples\.npz .*10 images .*64\.0 KiB available")
+
+
+@pytest.mark.parametrize("change, parameter, flag", [
+    ({"--batch-size": "0"}, "batch_size", "--batch-size"),
+    ({"--ref": "{tmp}/none.npz"}, "reference", "--ref"),  # a flag spelled otherwise than its parameter
+])
+def test_a_python_caller_reads_the_parameter_and_the_command_its_flag(inputs, tmp_path, load_script, capsys, change,
+                                                                      parameter, flag):
+    """One refusal, two audiences: evaluate() names its parameter, moh-dit evaluate the flag."""
+    flags = {**inputs, **{k: v.format(tmp=tmp_path) for k, v in change.items()}}
+    kwargs = {"batch_size": int(flags["--batch-size"])} if "--batch-size" in flags else {}
+    with pytest.raises(InvalidInput if parameter == "batch_size" else FileNotFoundError) as error:
+        ev.evaluate(flags["--samples"], flags["--ref"], extractor=_Tiny(), **kwargs)
+    assert error.value.parameters == (parameter,) and parameter in str(error.value) and "--" not in str(error.value)
+    assert load_script("evaluate").cli([str(a) for a in _argv(flags)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: {flag} " in err and parameter not in err
 
 
 def test_feature_memory_follows_the_extractor():

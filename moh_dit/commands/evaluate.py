@@ -44,7 +44,6 @@ from moh_dit.evaluation import (
     ADM_SPLIT_SIZE,
     CACHE_ENV,
     INCEPTION_WEIGHTS_ENV,
-    MAX_RANDOM_INCEPTION_SEED,
     EvaluationResult,
     check_class_names,
     evaluate,
@@ -63,7 +62,8 @@ logger = get_logger(__name__)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", required=True, help="sample .npz (arr_0, uint8 NHWC) or image folder")
-    parser.add_argument("--ref", required=True, help="ADM reference batch .npz, or image .npz/folder of real images")
+    parser.add_argument("--ref", dest="reference", required=True,
+                        help="ADM reference batch .npz, or image .npz/folder of real images")
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument(
         "--inception-weights",
@@ -98,25 +98,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--classifier-weights", default=None,
                         help="local state-dict file for a torchvision:NAME classifier (offline)")
     parser.add_argument("--labels", default=None, help="the samples' class labels as .npy (default: arr_1 of --samples)")
-    parser.add_argument("--class-index", default=None,
+    parser.add_argument("--class-index", dest="class_map", default=None,
                         help="JSON map from sample label to the classifier's class (index or name); default: same index")
     return parser.parse_args(argv)
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Every flag, before the Inception network is loaded or any image is read."""
-    for flag, value, least in (("--batch-size", args.batch_size, 1), ("--num-workers", args.num_workers, 0),
-                               ("--split-size", args.split_size, 1)):  # fmt: skip
-        if value < least:
-            raise ValueError(f"{flag} must be >= {least}, got {value}")
-    for flag, value in (("--samples", args.samples), ("--ref", args.ref)):
-        if not Path(value).exists():
-            raise FileNotFoundError(f"{flag} {value}: no such file or folder")
-    seed = args.random_inception_seed
-    if seed is not None and not 0 <= seed <= MAX_RANDOM_INCEPTION_SEED:
-        raise ValueError(f"--random-inception-seed must be in [0, {MAX_RANDOM_INCEPTION_SEED}], got {seed}")
-    if args.inception_weights is not None and not Path(args.inception_weights).expanduser().is_file():
-        raise FileNotFoundError(f"--inception-weights {args.inception_weights}: no such file")
+    """What only the command takes (--device, --output, --cache-dir, the flags of class accuracy),
+    before the Inception network is loaded or any image is read; evaluate() checks the rest."""
     try:
         torch.device(args.device)
     except (RuntimeError, TypeError, ValueError):
@@ -133,12 +122,10 @@ def check_args(args: argparse.Namespace) -> None:
         if not Path(args.cache_dir).is_dir():
             raise ValueError(f"--cache-dir {args.cache_dir} is a file, not a folder")
     if args.classifier is None:
-        for flag, value in (("--labels", args.labels), ("--class-index", args.class_index),
+        for flag, value in (("--labels", args.labels), ("--class-index", args.class_map),
                             ("--classifier-weights", args.classifier_weights)):
             if value is not None:
                 raise ValueError(f"{flag} is for class accuracy, which needs --classifier CLF_DIR|torchvision:NAME")
-    if args.class_index is not None and not Path(args.class_index).is_file():
-        raise FileNotFoundError(f"--class-index {args.class_index}: no such file")
     check_outputs(args)
 
 
@@ -146,18 +133,18 @@ def check_outputs(args: argparse.Namespace) -> None:
     """What evaluate writes (the --output JSON, the reference cache) is never what it reads, and
     an existing --output is replaced only when it is an earlier result of this command."""
     classifier = None if args.classifier is None or args.classifier.startswith("torchvision:") else args.classifier
-    inputs = {flag: None if value is None else Path(value).expanduser() for flag, value in (
-        ("--samples", args.samples), ("--ref", args.ref), ("--labels", args.labels), ("--class-index", args.class_index),
-        ("--classifier", classifier), ("--classifier-weights", args.classifier_weights),
-        ("--inception-weights", args.inception_weights))}
+    inputs = {name: None if value is None else Path(value).expanduser() for name, value in (
+        ("samples", args.samples), ("reference", args.reference), ("labels", args.labels), ("class_map", args.class_map),
+        ("classifier", classifier), ("classifier_weights", args.classifier_weights),
+        ("inception_weights", args.inception_weights))}
     if args.output is not None:
-        check_outside_inputs(Path(args.output).expanduser(), inputs, "--output")
+        check_outside_inputs(Path(args.output).expanduser(), inputs, "output")
         if Path(args.output).is_file() and not is_evaluation_result(args.output):
             raise FileExistsError(f"--output {args.output} exists and is not a moh-dit evaluate result; choose "
                                   "another --output, or delete the file yourself")
     if not args.no_cache:
         cache = Path(args.cache_dir).expanduser() if args.cache_dir is not None else reference_cache_dir()
-        check_outside_inputs(cache, {"--samples": inputs["--samples"], "--ref": inputs["--ref"]}, "--cache-dir")
+        check_outside_inputs(cache, {"samples": inputs["samples"], "reference": inputs["reference"]}, "cache_dir")
 
 
 def is_evaluation_result(path: str | Path) -> bool:
@@ -176,7 +163,7 @@ def class_accuracy_inputs(args: argparse.Namespace) -> dict:
         return {}
     labels = read_sample_labels(args.samples, args.labels)
     classifier = load_classifier(args.classifier, args.classifier_weights, device=args.device)
-    class_map = None if args.class_index is None else read_class_map(args.class_index, classifier.classes)
+    class_map = None if args.class_map is None else read_class_map(args.class_map, classifier.classes)
     if class_map is None:
         # The samples' classes, as moh-dit sample recorded them, against the classifier's (the sweep's check).
         check_class_names(classifier, sample_class_names(args.samples))
@@ -193,7 +180,7 @@ def main(args: argparse.Namespace) -> dict:
                        "published numbers")
     result = evaluate(
         args.samples,
-        args.ref,
+        args.reference,
         inception_weights=args.inception_weights,
         random_inception_seed=args.random_inception_seed,
         download=not args.no_download,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
@@ -45,8 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 @command
 def main(args: argparse.Namespace) -> int:
-    if not Path(args.data_dir).is_dir():
-        raise FileNotFoundError(f"--data-dir {args.data_dir}: no such folder; give an ImageFolder of real images")
     result = train_classifier(
         args.data_dir, args.output_dir, image_size=args.image_size, epochs=args.epochs, batch_size=args.batch_size,
         learning_rate=args.learning_rate, held_out_fraction=args.held_out_fraction, width=args.width,

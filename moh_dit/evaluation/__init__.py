@@ -22,9 +22,9 @@ Everything the ``moh-dit evaluate`` front does is callable from here::
     >>> result = evaluate("samples.npz", "VIRTUAL_imagenet256_labeled.npz", device="cuda")
     >>> result.fid, result.sfid, result.inception_score, result.precision, result.recall
 
-A randomly initialised Inception (:func:`build_random_inception`, ``random_inception_seed=N``
-here, ``--random-inception-seed N`` in the commands) exists for offline demos and smoke tests
-only; its numbers are labelled as not comparable to published ones.
+A randomly initialised Inception (:func:`build_random_inception`, ``random_inception_seed=N``)
+exists for offline demos and smoke tests only; its numbers are labelled as not comparable to
+published ones.
 
 The package's modules, each with one job: :mod:`.frechet` (feature statistics, FID/sFID),
 :mod:`.metrics` (Inception Score, precision/recall), :mod:`.features` (the extractor contract
@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import InvalidInput
 from .classifier import SampleClassifier
 from ..data.datasets import IMG_EXTENSIONS
 from ..utils.runtime import tf32_disabled
@@ -234,8 +235,8 @@ def evaluate(
 
     Samples and reference of different resolutions (e.g. 32 px samples against a 64 px reference;
     an ADM reference batch's resolution is that of its ``arr_0``) are refused: their FID measures
-    the resizing as much as the model. ``allow_resolution_mismatch=True``
-    (``--allow-resolution-mismatch``) evaluates anyway and records it in the result. A reference
+    the resizing as much as the model. ``allow_resolution_mismatch=True`` evaluates anyway and
+    records it in the result. A reference
     holding statistics only (no images) has no known resolution; the result's notes say so.
 
     With a ``classifier`` (:func:`moh_dit.evaluation.classifier.load_classifier`) and the samples'
@@ -302,13 +303,14 @@ def _class_accuracy_meter(sample_source: ImageSource, classifier: SampleClassifi
     """The class-accuracy meter when a classifier is given, checked against the samples before any work."""
     if classifier is None:
         if labels is not None:
-            raise ValueError("labels were given without a classifier; pass --classifier to measure class accuracy")
+            raise InvalidInput("labels were given without a classifier to measure class accuracy with",
+                               parameters=("labels", "classifier"))
         return None
     if labels is None:
-        raise ValueError("class accuracy needs the samples' labels (arr_1 of the samples .npz, or --labels)")
+        raise InvalidInput("class accuracy needs labels, the class label of each sample", parameters="labels")
     if sample_source.num_images is not None and sample_source.num_images != len(labels):
-        raise ValueError(f"{sample_source.description}: {sample_source.num_images} samples but {len(labels)} labels; "
-                         "every sample needs its class label")
+        raise InvalidInput(f"labels has {len(labels)} entries for the {sample_source.num_images} images of "
+                           f"{sample_source.description}; every sample needs its class label", parameters="labels")
     return ClassAccuracyMeter(classifier, labels, class_map, class_names)
 
 
@@ -328,7 +330,7 @@ def _check_arguments(**values: Any) -> None:
     least = {"batch_size": 1, "num_workers": 0, "split_size": 1, "k": 1}
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least[name]:
-            raise ValueError(f"{name} must be an integer >= {least[name]}, got {value!r}")
+            raise InvalidInput(f"{name} must be an integer >= {least[name]}, got {value!r}", parameters=name)
 
 
 def check_extractor_choice(extractor: nn.Module | None, inception_weights: PathLike | None,
@@ -338,18 +340,19 @@ def check_extractor_choice(extractor: nn.Module | None, inception_weights: PathL
     given = [name for name, value in (("extractor", extractor), ("inception_weights", inception_weights),
                                       ("random_inception_seed", random_inception_seed)) if value is not None]
     if len(given) > 1:
-        raise ValueError(f"pass at most one of extractor, inception_weights, random_inception_seed; got {given}")
+        raise InvalidInput(f"give at most one of {', '.join(given)}", parameters=tuple(given))
     seed = random_inception_seed
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
                              or not 0 <= seed <= MAX_RANDOM_INCEPTION_SEED):
-        raise ValueError(f"random_inception_seed must be an integer in [0, {MAX_RANDOM_INCEPTION_SEED}], got {seed!r}")
+        raise InvalidInput(f"random_inception_seed must be an integer in [0, {MAX_RANDOM_INCEPTION_SEED}], got {seed!r}",
+                           parameters="random_inception_seed")
 
 
 def _open_inputs(
     samples: Any, reference: PathLike | ReferenceStatistics, minimum: int
 ) -> tuple[ImageSource, ReferenceSpec | ReferenceStatistics]:
     """Both sides opened and counted (where their size is known) before the feature network is loaded."""
-    sample_source = open_image_source(samples)
+    sample_source = open_image_source(samples, "samples")
     if sample_source.num_images is not None and sample_source.num_images < minimum:
         raise ValueError(f"{sample_source.description}: {sample_source.num_images} images; need at least {minimum}")
     opened = open_reference(reference)
@@ -372,11 +375,10 @@ def _check_resolutions(
     reference_resolution = reference.resolution
     mismatch = None not in (sample_resolution, reference_resolution) and sample_resolution != reference_resolution
     if mismatch and not allow_mismatch:
-        raise ValueError(
-            f"the samples ({sample_source.description}) are {_resolution_text(sample_resolution)} but the "
-            f"reference ({reference.source}) is {_resolution_text(reference_resolution)}; FID between different "
-            "resolutions is not comparable. Evaluate samples at the reference's resolution, or pass "
-            "--allow-resolution-mismatch (allow_resolution_mismatch=True in Python) to evaluate anyway"
+        raise InvalidInput(
+            f"samples {sample_source.description} are {_resolution_text(sample_resolution)} but "
+            f"reference {reference.source} is {_resolution_text(reference_resolution)}; FID between different "
+            "resolutions is not comparable. Make them match, or set allow_resolution_mismatch to evaluate anyway", parameters=("samples", "reference", "allow_resolution_mismatch")
         )
 
 
@@ -400,7 +402,7 @@ def _notes(
     elif sample_resolution is not None and sample_resolution != ref.resolution:
         notes.append(
             f"samples are {_resolution_text(sample_resolution)} but the reference is "
-            f"{_resolution_text(ref.resolution)} (allowed by --allow-resolution-mismatch): these numbers are "
+            f"{_resolution_text(ref.resolution)} (allowed by allow_resolution_mismatch): these numbers are "
             "not comparable to ones at the reference's resolution"
         )
     if ref.spatial is None or features.spatial is None:

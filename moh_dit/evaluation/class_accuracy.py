@@ -8,7 +8,7 @@ real images, recorded with a classifier trained by ``moh-dit train-classifier``.
 
 Sample labels follow ADM's convention for class-conditional samples: ``arr_1`` of the
 samples ``.npz`` (what ``moh-dit sample`` writes), or a separate ``.npy``. A label is
-mapped to the classifier's output index by a class map (``--class-index``); without one
+mapped to the classifier's output index by a class map (:func:`read_class_map`); without one
 label ``i`` is the classifier's class ``i`` (both follow the sorted class-folder order, and
 ImageNet models use ImageNet's 1000 indices).
 """
@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..errors import InputNotFound, InvalidInput
 from .classifier import SampleClassifier
 from .sources import zip_member_names
 
@@ -50,58 +51,62 @@ def read_sample_labels(samples: str | os.PathLike | None, labels: str | os.PathL
     if labels is not None:
         path = Path(labels)
         if not path.is_file():
-            raise FileNotFoundError(f"--labels {path}: no such file")
+            raise InputNotFound(f"labels {path}: no such file", parameters="labels")
         try:
             array = np.load(path, allow_pickle=False)
         except ValueError as err:
-            raise ValueError(f"--labels {path}: not a .npy array of integer labels ({err})") from err
+            raise InvalidInput(f"labels {path}: not a .npy array of integers ({err})", parameters="labels") from err
         if isinstance(array, np.lib.npyio.NpzFile):
             array = array["arr_1" if "arr_1" in array.files else array.files[0]]
-        where = f"--labels {path}"
+        where, parameter = f"labels {path}", "labels"
     else:
         path = Path(samples) if samples is not None else None
         if path is None or path.suffix != ".npz" or not path.is_file():
-            raise ValueError("class accuracy needs the samples' labels: give samples as an .npz with arr_1 "
-                             "(moh-dit sample writes it) or pass --labels L.npy")
+            raise InvalidInput("class accuracy needs the class label of each sample: give samples as an .npz with "
+                               "arr_1 (moh-dit sample writes it), or labels as a .npy", parameters=("samples", "labels"))
         if "arr_1.npy" not in zip_member_names(path):
-            raise ValueError(f"{path} has no arr_1 (the class labels); sample with moh-dit sample, which writes "
-                             "them, or pass --labels L.npy")
+            raise InvalidInput(f"samples {path} has no arr_1 (each sample's class, which moh-dit sample writes); "
+                               "give labels as a .npy", parameters=("samples", "labels"))
         with np.load(path, allow_pickle=False) as data:
             array = data["arr_1"]
-        where = f"arr_1 of {path}"
+        where, parameter = f"arr_1 of samples {path}", "samples"
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{where}: labels must be a 1-D integer array, got {array.dtype} {array.shape}")
+        raise InvalidInput(f"{where}: must be a 1-D integer array, got {array.dtype} {array.shape}",
+                           parameters=parameter)
     if len(array) and array.min() < 0:
-        raise ValueError(f"{where}: labels must be >= 0, found {int(array.min())}")
+        raise InvalidInput(f"{where}: must be >= 0, found {int(array.min())}", parameters=parameter)
     return array.astype(np.int64)
 
 
-def read_class_map(path: str | os.PathLike, classes: Sequence[str]) -> dict[int, int]:
-    """Sample label -> classifier index from a JSON file.
+def read_class_map(class_map: str | os.PathLike, classes: Sequence[str]) -> dict[int, int]:
+    """Sample label -> classifier index from the JSON file ``class_map``.
 
     Values may be classifier indices or class names (names of ``classes``, the classifier's
     outputs); ``{"0": 7}``, ``{"0": "red_circle"}`` and the Keras ImageNet index
     ``{"0": ["n01440764", "tench"]}`` (the name is looked up, then the id) are all accepted.
     """
-    path = Path(path)
+    path = Path(class_map)
+    where = f"class_map {path}"
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise ValueError(f"--class-index {path}: cannot read a JSON class map ({err})") from err
+        raise InvalidInput(f"{where}: cannot read it as JSON ({err})", parameters="class_map") from err
     if not isinstance(raw, dict):
-        raise ValueError(f"--class-index {path}: expected a JSON object label -> class, got {type(raw).__name__}")
+        raise InvalidInput(f"{where}: expected a JSON object label -> class, got {type(raw).__name__}",
+                           parameters="class_map")
     lookup = {name: i for i, name in enumerate(classes)}
     out: dict[int, int] = {}
     for key, value in raw.items():
         if not str(key).isdigit():
-            raise ValueError(f"--class-index {path}: key {key!r} is not a sample label (a non-negative integer)")
+            raise InvalidInput(f"{where}: key {key!r} is not a sample label (a non-negative integer)",
+                               parameters="class_map")
         candidates = value if isinstance(value, list) else [value]
         target = next((lookup[c] for c in candidates[::-1] if isinstance(c, str) and c in lookup), None)
         if target is None and isinstance(value, int) and not isinstance(value, bool):
             target = value
         if target is None or not 0 <= target < len(classes):
-            raise ValueError(f"--class-index {path}: label {key} maps to {value!r}, which is not one of the "
-                             f"classifier's {len(classes)} classes")
+            raise InvalidInput(f"{where}: label {key} maps to {value!r}, which is not one of the "
+                               f"classifier's {len(classes)} classes", parameters="class_map")
         out[int(key)] = target
     return out
 
@@ -177,11 +182,11 @@ class ClassAccuracyMeter:
     def _target(self, label: int) -> int:
         if self.class_map is not None:
             if label not in self.class_map:
-                raise ValueError(f"sample label {label} is not in the class map; add it to --class-index")
+                raise InvalidInput(f"sample label {label} is not in class_map; add it there", parameters="class_map")
             return self.class_map[label]
         if label >= self.classifier.num_classes:
-            raise ValueError(f"sample label {label} but the classifier has {self.classifier.num_classes} classes; "
-                             "give a class map (--class-index) from labels to the classifier's classes")
+            raise InvalidInput(f"sample label {label} but the classifier has {self.classifier.num_classes} classes; "
+                               "give class_map from labels to the classifier's classes", parameters="class_map")
         return label
 
     def update(self, images: torch.Tensor) -> None:

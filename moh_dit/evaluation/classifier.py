@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..errors import DamagedFile, InputNotFound, InvalidInput
 from ..data.datasets import center_crop_arr, find_image_folder, image_to_tensor, load_image, write_class_index
 from ..hub.outputs import check_replaceable, naming_write_errors
 from ..utils.io import publish_folder, write_json_atomic
@@ -61,7 +62,7 @@ IMAGE_SIZE_RANGE = (8, 4096)
 logger = get_logger(__name__)
 
 
-class ClassifierNotFoundError(FileNotFoundError):
+class ClassifierNotFoundError(InputNotFound):
     """A classifier (folder, torchvision name or its weights) that cannot be found."""
 
 
@@ -197,11 +198,13 @@ def _check_train_args(image_size: int, epochs: int, batch_size: int, learning_ra
     for name, value, least in (("image_size", image_size, 8), ("epochs", epochs, 1), ("batch_size", batch_size, 1),
                                ("width", width, 1), ("seed", seed, 0)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= {least}, got {value!r}")
+            raise InvalidInput(f"{name} must be an integer >= {least}, got {value!r}", parameters=name)
     if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate > 0):
-        raise ValueError(f"learning_rate (--learning-rate) must be a positive finite number, got {learning_rate!r}")
+        raise InvalidInput(f"learning_rate must be a positive finite number, got {learning_rate!r}",
+                           parameters="learning_rate")
     if not (isinstance(held_out_fraction, (int, float)) and 0 < held_out_fraction < 1):
-        raise ValueError(f"held_out_fraction (--held-out-fraction) must be in (0, 1), got {held_out_fraction!r}")
+        raise InvalidInput(f"held_out_fraction must be in (0, 1), got {held_out_fraction!r}",
+                           parameters="held_out_fraction")
 
 
 def _is_classifier_folder(path: Path) -> bool:
@@ -266,13 +269,14 @@ def train_classifier(
     _check_train_args(image_size, epochs, batch_size, learning_rate, held_out_fraction, width, seed)
     output_dir = Path(output_dir)
     _check_output_dir(output_dir, overwrite)
-    check_outside_inputs(output_dir, {"--data-dir": data_dir}, "--output-dir")
+    check_outside_inputs(output_dir, {"data_dir": data_dir}, "output_dir")
     classes, class_to_idx, samples = find_image_folder(data_dir)
     if len(classes) < 2:
-        raise ValueError(f"{data_dir}: a classifier needs at least two class folders, found {len(classes)}")
-    check_fits_in_memory(len(samples) * 3 * image_size**2 * 4, f"--image-size {image_size} for {len(samples)} images",
-                         "use a smaller --image-size, or fewer images")
-    with hold_output_folder(output_dir, "train-classifier", "--output-dir"):
+        raise InvalidInput(f"data_dir {data_dir}: a classifier needs at least two class folders, found {len(classes)}",
+                           parameters="data_dir")
+    check_fits_in_memory(len(samples) * 3 * image_size**2 * 4, f"image_size {image_size} for {len(samples)} images",
+                         "use a smaller image_size, or fewer images", parameters="image_size")
+    with hold_output_folder(output_dir, "train-classifier", "output_dir"):
         start = time.perf_counter()
         train_items, held_items = _split(samples, len(classes), held_out_fraction, seed)
         x_train, y_train = _load_tensors(train_items, image_size, "reading training images")
@@ -308,9 +312,12 @@ def train_classifier(
 # --------------------------------------------------------------------------------------
 
 
-def _damaged(file: Path, problem: str) -> ValueError:
-    return ValueError(f"--classifier {file.parent}: {file.name} {problem}; it was edited or damaged: restore the folder "
-                      "or train the classifier again (moh-dit train-classifier)")
+_RETRAIN = "restore the folder or train it again (moh-dit train-classifier)"
+
+
+def _damaged(file: Path, problem: str) -> DamagedFile:
+    return DamagedFile(f"classifier {file.parent}: {file.name} {problem}; it was edited or damaged: {_RETRAIN}",
+                       parameters="classifier")
 
 
 def _integer_field(meta: dict, file: Path, key: str, low: int, high: int) -> int:
@@ -329,7 +336,8 @@ def _read_record(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, ValueError) as error:
         raise _damaged(file, f"cannot be read as JSON ({type(error).__name__}: {error})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("architecture") != "SmallCNN":
-        raise ValueError(f"--classifier {path}: classifier.json is not a {FORMAT} SmallCNN record")
+        raise DamagedFile(f"classifier {path}: classifier.json is not a {FORMAT} SmallCNN record; {_RETRAIN}",
+                          parameters="classifier")
     num_classes = _integer_field(meta, file, "num_classes", 1, MAX_CLASSES)
     _integer_field(meta, file, "width", 1, MAX_WIDTH)
     _integer_field(meta, file, "in_channels", 3, 3)  # samples are RGB
@@ -364,10 +372,7 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {line.rstrip('.')[:200]}"
 
 
-_RETRAIN = "restore it or train the classifier again (moh-dit train-classifier)"
-
-
-def _weights_shapes(file: Path, flag: str, advice: str = _RETRAIN) -> dict[str, tuple[int, ...]]:
+def _weights_shapes(file: Path, parameter: str, advice: str = _RETRAIN) -> dict[str, tuple[int, ...]]:
     """Names and shapes of a weights file's tensors, read from its header (nothing loaded)."""
     from safetensors import safe_open
 
@@ -375,11 +380,12 @@ def _weights_shapes(file: Path, flag: str, advice: str = _RETRAIN) -> dict[str, 
         with safe_open(str(file), framework="pt") as f:
             return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     except Exception as error:  # noqa: BLE001 - safetensors raises its own error types
-        raise ValueError(f"{flag} {file} is not a readable .safetensors file ({_first_line(error)}); {advice}") from None
+        raise DamagedFile(f"{parameter} {file} is not a readable .safetensors file ({_first_line(error)}); {advice}",
+                          parameters=parameter) from None
 
 
 def _check_shapes(given: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], file: Path,
-                  flag: str, advice: str) -> None:
+                  parameter: str, advice: str) -> None:
     """The same tensor names with the same shapes, or one line naming the file and what differs."""
     # BatchNorm fills in a missing step counter (older torchvision weight files have none).
     missing = sorted(k for k in set(expected) - set(given) if not k.endswith("num_batches_tracked"))
@@ -389,27 +395,25 @@ def _check_shapes(given: dict[str, tuple[int, ...]], expected: dict[str, tuple[i
     problems = ([f"missing {', '.join(missing[:3])}"] if missing else []) + \
                ([f"unexpected {', '.join(unexpected[:3])}"] if unexpected else []) + wrong[:3]
     if problems:
-        raise ValueError(f"{flag} {file} does not hold the weights of this model ({'; '.join(problems)}); {advice}")
+        raise InvalidInput(f"{parameter} {file} does not hold the weights of this model ({'; '.join(problems)}); "
+                           f"{advice}", parameters=parameter)
 
 
 def _load_folder(path: Path) -> SampleClassifier:
     if not (path / "classifier.json").is_file():
         raise ClassifierNotFoundError(
-            f"--classifier {path}: not a classifier folder (no classifier.json); make one with "
-            "moh-dit train-classifier --data-dir DIR --output-dir DIR, or give torchvision:NAME")
+            f"classifier {path}: not a folder of moh-dit train-classifier (no classifier.json); make one with "
+            "moh-dit train-classifier, or give torchvision:NAME", parameters="classifier")
     meta = _read_record(path)
     weights = path / "model.safetensors"
     if not weights.is_file():
-        raise ClassifierNotFoundError(f"--classifier {path}: {weights.name} is missing; train the classifier again "
-                                      "(moh-dit train-classifier)")
+        raise ClassifierNotFoundError(f"classifier {path}: {weights.name} is missing; {_RETRAIN}",
+                                      parameters="classifier")
     build = lambda: SmallCNN(meta["num_classes"], width=meta["width"], in_channels=meta["in_channels"])  # noqa: E731
     with torch.device("meta"):  # shapes only: nothing is allocated until they match the file
         expected = {k: tuple(v.shape) for k, v in build().state_dict().items()}
-    _check_shapes(_weights_shapes(weights, "--classifier"), expected, weights, "--classifier",
-                  "classifier.json and model.safetensors come from different classifiers; restore the folder or "
-                  "train the classifier again (moh-dit train-classifier)")
-    check_fits_in_memory(2 * 4 * sum(math.prod(shape) for shape in expected.values()), f"--classifier {path}",
-                         "use a machine with more memory")
+    _check_shapes(_weights_shapes(weights, "classifier"), expected, weights, "classifier",
+                  f"classifier.json and {weights.name} come from different classifiers; {_RETRAIN}")
     model = build()
     model.load_state_dict(load_file(weights))
     size = meta["image_size"]
@@ -428,30 +432,32 @@ def _torchvision_weights(name: str):
         return torchvision.models.get_model_weights(name).DEFAULT
     except (ValueError, KeyError) as err:
         known = ", ".join(sorted(torchvision.models.list_models(module=torchvision.models))[:12])
-        raise ValueError(f"--classifier torchvision:{name}: not a torchvision classification model "
-                         f"(e.g. {known}, ...)") from err
+        raise InvalidInput(f"classifier torchvision:{name}: not a torchvision classification model "
+                           f"(e.g. {known}, ...)", parameters="classifier") from err
 
 
 def _read_weights_file(file: Path, expected: dict[str, tuple[int, ...]], name: str) -> dict[str, torch.Tensor]:
-    """``--classifier-weights``: a .safetensors or torch state dict holding exactly the tensors of
+    """``classifier_weights``: a .safetensors or torch state dict holding exactly the tensors of
     torchvision's ``name`` (shapes checked before loading a .safetensors file); one line naming
     the file otherwise."""
-    flag, advice = "--classifier-weights", f"give the state dict of torchvision's {name} (.pth or .safetensors)"
+    parameter, advice = "classifier_weights", f"give the state dict of torchvision's {name} (.pth or .safetensors)"
     if not file.is_file():
-        raise ClassifierNotFoundError(f"{flag} {file}: no such file")
+        raise ClassifierNotFoundError(f"{parameter} {file}: no such file", parameters=parameter)
     if file.suffix == ".safetensors":
-        _check_shapes(_weights_shapes(file, flag, advice), expected, file, flag, advice)
+        _check_shapes(_weights_shapes(file, parameter, advice), expected, file, parameter, advice)
         return load_file(file)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except MemoryError:
         raise
     except Exception as error:  # noqa: BLE001 - torch.load raises UnpicklingError, EOFError, RuntimeError, ...
-        raise ValueError(f"{flag} {file} is not a readable torch state dict (not a torch file, truncated, or holding "
-                         f"objects other than tensors: {_first_line(error)}); {advice}") from None
+        raise DamagedFile(f"{parameter} {file} is not a readable torch state dict (not a torch file, truncated, or "
+                          f"holding objects other than tensors: {_first_line(error)}); {advice}",
+                          parameters=parameter) from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
-        raise ValueError(f"{flag} {file} holds a {type(state).__name__}, not a state dict of tensors; {advice}")
-    _check_shapes({k: tuple(v.shape) for k, v in state.items()}, expected, file, flag, advice)
+        raise InvalidInput(f"{parameter} {file} holds a {type(state).__name__}, not a state dict of tensors; {advice}",
+                           parameters=parameter)
+    _check_shapes({k: tuple(v.shape) for k, v in state.items()}, expected, file, parameter, advice)
     return state
 
 
@@ -469,9 +475,10 @@ def _load_torchvision(name: str, weights_file: str | os.PathLike | None) -> Samp
             state = weights.get_state_dict(progress=True, check_hash=True)
         except OSError as err:  # URLError is an OSError: no network and nothing in the torch hub cache
             raise ClassifierNotFoundError(
-                f"--classifier torchvision:{name}: its weights ({weights.url}) are not in the torch hub cache "
+                f"classifier torchvision:{name}: its ImageNet weights ({weights.url}) are not in the torch hub cache "
                 f"({torch.hub.get_dir()}/checkpoints) and could not be downloaded ({err}); download them where a "
-                "network is, and pass the file with --classifier-weights FILE") from err
+                "network is, and give the file as classifier_weights", parameters=("classifier", "classifier_weights")
+            ) from err
         source = weights.url
     model.load_state_dict(state)
     categories = list(weights.meta.get("categories") or [])
@@ -488,26 +495,28 @@ def _load_torchvision(name: str, weights_file: str | os.PathLike | None) -> Samp
     return SampleClassifier(model, preprocess, categories, identity=f"torchvision:{name} ({source})")
 
 
-def load_classifier(spec: str | os.PathLike, weights: str | os.PathLike | None = None,
+def load_classifier(classifier: str | os.PathLike, classifier_weights: str | os.PathLike | None = None,
                     device: torch.device | str = "cpu") -> SampleClassifier:
-    """``spec`` is a folder written by :func:`train_classifier` or ``"torchvision:NAME"``.
+    """``classifier`` is a folder written by :func:`train_classifier` or ``"torchvision:NAME"``.
 
-    For torchvision models, ``weights`` is a local state-dict file (``.pth`` / ``.safetensors``);
-    without it the ImageNet weights are taken from the torch hub cache or downloaded, and a
-    clear error says what to do when neither works.
+    For torchvision models, ``classifier_weights`` is a local state-dict file (``.pth`` /
+    ``.safetensors``); without it the ImageNet weights are taken from the torch hub cache or
+    downloaded, and a clear error says what to do when neither works.
     """
-    spec = os.fspath(spec)
+    spec = os.fspath(classifier)
     if spec.startswith(TORCHVISION_PREFIX):
         name = spec[len(TORCHVISION_PREFIX):]
         if not name:
-            raise ValueError("--classifier torchvision: needs a model name, e.g. torchvision:resnet50")
-        return _load_torchvision(name, weights).to(device)
-    if weights is not None:
-        raise ValueError("--classifier-weights is for torchvision:NAME classifiers; a classifier folder has its weights")
+            raise InvalidInput("classifier torchvision: needs a model name, e.g. torchvision:resnet50",
+                               parameters="classifier")
+        return _load_torchvision(name, classifier_weights).to(device)
+    if classifier_weights is not None:
+        raise InvalidInput("classifier_weights is for torchvision:NAME classifiers; a classifier folder has its own",
+                           parameters="classifier_weights")
     path = Path(spec).expanduser()
     if not path.exists():
-        raise ClassifierNotFoundError(
-            f"--classifier {spec}: no such folder; give a folder from moh-dit train-classifier or torchvision:NAME")
+        raise ClassifierNotFoundError(f"classifier {spec}: no such folder; give a folder from moh-dit "
+                                      "train-classifier or torchvision:NAME", parameters="classifier")
     return _load_folder(path).to(device)
 
 

@@ -193,7 +193,9 @@ def feature_bytes_per_image(extractor: nn.Module | None = None) -> int:
     return 2 * 4 * sum(int(width) for width in widths)
 
 
-def check_feature_memory(num_images: int, what: str, advice: str, extractor: nn.Module | None = None) -> None:
+def check_feature_memory(num_images: int, what: str, advice: str, extractor: nn.Module | None = None,
+                         parameters: str | tuple[str, ...] = ()) -> None:
     """Refuse, before any image is read, an evaluation of ``num_images`` images whose features
-    cannot fit in the available memory (``what`` names the count, e.g. ``"--num-samples N"``)."""
-    check_fits_in_memory(num_images * feature_bytes_per_image(extractor), what, advice)
+    cannot fit in the available memory (``what`` names the count, e.g. ``"num_samples N"``, and
+    ``parameters`` the names in it)."""
+    check_fits_in_memory(num_images * feature_bytes_per_image(extractor), what, advice, parameters=parameters)

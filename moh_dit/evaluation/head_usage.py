@@ -9,8 +9,8 @@ on average ``K / routed`` for a routed head of a layer with top-K ``K``. A
 - :func:`measure_head_usage` samples a few images per class with a ``MoHDiTPipeline`` and
   records every transformer call through a forward hook: one pipeline call per class, so each
   class's usage is exactly that of its own images.
-- :func:`head_usage_from_log` reads a run's ``head_usage.jsonl`` (what training logs every
-  ``--log-every`` steps).
+- :func:`head_usage_from_log` reads a run's ``head_usage.jsonl`` (what training writes each
+  time it logs).
 - :func:`plot_head_usage` draws the views as heatmaps (layers as rows, heads as columns, shared
   heads hatched left of a black line) on matplotlib's Agg canvas, without pyplot;
   :func:`write_head_usage` writes ``head_usage.png`` and ``head_usage.json`` (the plotted numbers).
@@ -195,7 +195,7 @@ def _parse_log(lines: Iterable[str], source: str) -> dict[int, Usage]:
         heads = [len(row) for row in usage]
         entries[step] = usage
     if not entries:
-        raise ValueError(f"{source} holds no head-usage line yet; training writes one every --log-every steps.")
+        raise ValueError(f"{source} holds no head-usage line yet; training writes one each time it logs.")
     return dict(sorted(entries.items()))
 
 
@@ -222,7 +222,7 @@ def head_usage_from_log(path: str | os.PathLike, bins: int = 4) -> HeadUsage:
         path = path / "head_usage.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; give a run's head_usage.jsonl (a MoH-DiT run writes it "
-                                "every --log-every steps) or its run folder.")
+                                "each time it logs) or its run folder.")
     text = path.read_text(encoding="utf-8")
     lines = text.splitlines()
     if lines and not text.endswith("\n"):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import InputNotFound
 from ..utils.io import atomic_write, sha256_file
 from ..utils.runtime import tf32_disabled
 from .features import FeatureExtractor, InceptionFeatures
@@ -57,7 +58,7 @@ NOT_COMPARABLE = "not comparable to published numbers"
 MAX_RANDOM_INCEPTION_SEED = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
 
 
-class InceptionWeightsNotFoundError(FileNotFoundError):
+class InceptionWeightsNotFoundError(InputNotFound):
     """The InceptionV3 weights file could not be found or downloaded."""
 
 
@@ -165,24 +166,23 @@ def _download_weights(destination: Path, timeout: float) -> None:
 
 
 def resolve_inception_weights(
-    path: PathLike | None = None, *, download: bool = True, timeout: float = 10.0
+    inception_weights: PathLike | None = None, *, download: bool = True, timeout: float = 10.0
 ) -> Path:
     """Find the Inception weights file.
 
-    Order: ``path`` > environment variable ``MOH_DIT_INCEPTION_WEIGHTS`` > torch hub cache
+    Order: ``inception_weights`` (a file) > environment variable ``MOH_DIT_INCEPTION_WEIGHTS`` > torch hub cache
     (``torch.hub.get_dir()/checkpoints/weights-inception-2015-12-05-6726825d.pth``) > a download
     from torch-fidelity's release into that cache (``download=True``, ``timeout`` seconds per
     network operation). An explicit path or environment variable that points nowhere is an
     error rather than a silent fallback. Raises :class:`InceptionWeightsNotFoundError` saying
     where to put the file and where to get it.
     """
-    if path is not None:
-        path = Path(path).expanduser()
+    if inception_weights is not None:
+        path = Path(inception_weights).expanduser()
         if not path.is_file():
             raise InceptionWeightsNotFoundError(
-                f"Inception weights file not found: {path}. Download {INCEPTION_WEIGHTS_URL} "
-                "and pass its path."
-            )
+                f"inception_weights {path}: no such file. Download {INCEPTION_WEIGHTS_URL} and give its path.",
+                parameters="inception_weights")
         return path
     from_env = os.environ.get(INCEPTION_WEIGHTS_ENV)
     if from_env:
@@ -206,16 +206,16 @@ def resolve_inception_weights(
     raise InceptionWeightsNotFoundError(
         f"InceptionV3 weights not found and {failure}. Get {INCEPTION_WEIGHTS_URL} "
         f"on a machine with internet and either put it at {cached}, set "
-        f"{INCEPTION_WEIGHTS_ENV}=/path/to/{INCEPTION_WEIGHTS_NAME}, or pass the path "
-        "explicitly (--inception-weights FILE)."
-    )
+        f"{INCEPTION_WEIGHTS_ENV}=/path/to/{INCEPTION_WEIGHTS_NAME}, or give its path as inception_weights.",
+        parameters="inception_weights")
 
 
 def load_inception(
-    weights: PathLike | None = None, *, download: bool = True, timeout: float = 10.0
+    inception_weights: PathLike | None = None, *, download: bool = True, timeout: float = 10.0
 ) -> TFInceptionV3Features:
     """The ADM-comparable extractor with weights found by :func:`resolve_inception_weights`."""
-    return TFInceptionV3Features.from_file(resolve_inception_weights(weights, download=download, timeout=timeout))
+    return TFInceptionV3Features.from_file(resolve_inception_weights(inception_weights, download=download,
+                                                                     timeout=timeout))
 
 
 class _InceptionV3Architecture(nn.Module):

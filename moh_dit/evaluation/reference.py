@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import InputNotFound
 from ..utils.io import atomic_write
 from ..utils.logging import get_logger
 from .features import extract_features, extractor_identity
@@ -247,7 +248,7 @@ def _inspect_reference(reference: PathLike) -> ReferenceSpec:
     """Read what ``reference`` holds and check its stored statistics; no feature network is needed."""
     path = Path(reference)
     if not path.exists():
-        raise FileNotFoundError(f"reference not found: {path}")
+        raise InputNotFound(f"reference {path}: no such file or folder", parameters="reference")
     if path.is_dir():
         return ReferenceSpec(path, "images", FolderImageSource(path), None)
     names = [n[:-4] for n in zip_member_names(path) if n.endswith(".npy")]
@@ -378,7 +379,7 @@ def _write_cache(cache_file: Path, arrays: Mapping[str, np.ndarray], key: str) -
     with atomic_write(cache_file) as f:
         np.savez(f, **arrays, cache_key=np.array(key))
     logger.info(f"wrote the reference statistics cache {cache_file} ({_size_text(cache_file.stat().st_size)}); "
-                "remove it to free the space, or pass --no-cache (use_cache=False) not to write it")
+                "remove it to free the space, or set use_cache=False not to write it")
 
 
 def _cache_path(cache_dir: Path, spec: ReferenceSpec, identity: str) -> tuple[Path, str]:

@@ -22,6 +22,7 @@ from typing import Any, BinaryIO, Union
 import numpy as np
 import torch
 
+from ..errors import InputNotFound
 from ..data.datasets import IMG_EXTENSIONS, CorruptImageError, load_image, read_image_size, scan_image_files
 
 __all__ = [
@@ -206,8 +207,8 @@ def _sample_folder_advice(path: Path) -> str | None:
     output = path.parent.parent
     if path.parent.name != "samples" or not (output / "sample_config.json").is_file():
         return None
-    return (f"it is a moh-dit sample image: run moh-dit sample again with the same settings and --output-dir "
-            f"{output} (it makes damaged images again), then evaluate again")
+    return (f"it is a moh-dit sample image: run moh-dit sample again with the same settings into {output} "
+            "(it makes damaged images again), then evaluate again")
 
 
 class _ImageFiles(torch.utils.data.Dataset):
@@ -349,14 +350,15 @@ class IterableImageSource(ImageSource):
             yield from batch.split(batch_size)
 
 
-def open_image_source(images: Any) -> ImageSource:
-    """An :class:`ImageSource` for a folder, an ``.npz`` (``arr_0``), an array/tensor or an iterable of batches."""
+def open_image_source(images: Any, parameter: str = "images") -> ImageSource:
+    """An :class:`ImageSource` for a folder, an ``.npz`` (``arr_0``), an array/tensor or an iterable
+    of batches; ``parameter`` is the caller's name for ``images`` (``samples``), for its errors."""
     if isinstance(images, ImageSource):
         return images
     if isinstance(images, (str, os.PathLike)):
         path = Path(images)
         if not path.exists():
-            raise FileNotFoundError(f"no such file or folder: {path}")
+            raise InputNotFound(f"{parameter} {path}: no such file or folder", parameters=parameter)
         if path.is_dir():
             return FolderImageSource(path)
         if zipfile.is_zipfile(path):
