@@ -9,6 +9,7 @@ from PIL import Image
 
 from moh_dit.data.datasets import ImageFolderDataset
 from moh_dit.data.demo_data import DEMO_COLOURS, demo_classes, make_demo_dataset, render_demo_image
+from moh_dit.errors import InvalidInput
 
 def _digest(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*.png"))}
@@ -74,8 +75,9 @@ def test_errors_and_script(tmp_path, capsys, load_script):
         make_demo_dataset(out, images_per_class=1)
     make_demo_dataset(out, images_per_class=1, overwrite=True)
     assert len(list((out / "red_square").iterdir())) == 1
-    with pytest.raises(ValueError, match="images_per_class"):
+    with pytest.raises(InvalidInput) as error:
         make_demo_dataset(tmp_path / "x", images_per_class=0)
+    assert error.value.parameters == ("images_per_class",)
     with pytest.raises(ValueError, match="unknown demo class"):
         render_demo_image("purple_star", np.random.default_rng(0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
@@ -92,13 +94,13 @@ def demo_inputs(tmp_path):
 @pytest.mark.parametrize(
     "change, extra, match",
     [
-        ({"--images-per-class": "0"}, [], r"--images-per-class\) must be >= 1, got 0"),
-        ({"--images-per-class": "-5"}, [], r"--images-per-class\) must be >= 1"),
+        ({"--images-per-class": "0"}, [], r"--images-per-class .*got 0"),
+        ({"--images-per-class": "-5"}, [], r"--images-per-class .*got -5"),
         ({"--images-per-class": "1.5"}, [], "invalid int value"),
-        ({"--image-size": "11"}, [], r"--image-size\) must be in \[12, 1024\], got 11"),
-        ({"--image-size": "0"}, [], r"--image-size\) must be in \[12, 1024\]"),
-        ({"--image-size": "4096"}, [], r"--image-size\) must be in \[12, 1024\], got 4096"),
-        ({"--seed": "-1"}, [], r"--seed\) must be >= 0, got -1"),
+        ({"--image-size": "11"}, [], r"--image-size .*\[12, 1024\], got 11"),
+        ({"--image-size": "0"}, [], r"--image-size .*got 0"),
+        ({"--image-size": "4096"}, [], r"--image-size .*got 4096"),
+        ({"--seed": "-1"}, [], r"--seed .*got -1"),
         ({"--output-dir": "{tmp}/existing"}, [], "already exists.*--overwrite"),
         ({"--output-dir": "{tmp}/existing"}, ["--overwrite"], "not a demo dataset"),
         ({"--output-dir": "{tmp}/a_file"}, ["--overwrite"], "exists and is not a folder"),
@@ -160,7 +162,7 @@ DEMO_BAD_FLAGS = [
     (["--reference-per-class", "0"], "--reference-per-class must be >= 1, got 0"),
     (["--ratios", "1.0,1.5"], r"ratio 1.5 must be in \(0, 1\]"),
     (["--ratios", "1.0,half"], "ratio 'half' is neither a number, one of"),
-    (["--ratios", " , "], "no ratios given"),
+    (["--ratios", " , "], "--ratios"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--inception-weights", "{tmp}/none.pth"], "--inception-weights .*none.pth: no such file"),
     (["--output-dir", "{tmp}/a_file"], "--output-dir .*a_file is a file"),

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-import torch
 
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.data.latents import extract_latents
@@ -43,31 +40,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """The numeric flags and the device, before the folder is scanned or the VAE loaded.
-
-    Folders and sizes are checked by extract_latents itself, also before any work: the data
-    folder's layout; an --output-dir that exists without --overwrite, is a file, is not a latent
-    cache, or is, lies inside or contains --data-dir or a local --vae folder; a --batch-size
-    that cannot fit in memory. It then holds the output folder (a second extraction into it
-    stops at once) and marks the finished cache as written by moh-dit extract-latents.
-    """
-    for flag, value, least in (("--image-size", args.image_size, 1), ("--batch-size", args.batch_size, 1),
-                               ("--shard-size", args.shard_size, 1), ("--num-workers", args.num_workers, 0)):  # fmt: skip
-        if value < least:
-            raise ValueError(f"{flag} must be >= {least}, got {value}")
-    if args.device is not None:
-        try:
-            torch.device(args.device)
-        except (RuntimeError, TypeError, ValueError):
-            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}") from None
-    if not Path(args.data_dir).is_dir():
-        raise FileNotFoundError(f"--data-dir {args.data_dir}: no such folder")
-
-
 @command
 def main(args: argparse.Namespace) -> None:
-    check_args(args)
+    # extract_latents checks every value before any work (the numbers, the device, the data
+    # folder's layout, an --output-dir that may not be replaced or lies inside or contains
+    # --data-dir or a local --vae folder, a --batch-size that cannot fit in memory), then holds
+    # the output folder (a second extraction into it stops at once) and marks the finished cache.
     extract_latents(
         args.data_dir,
         args.vae,

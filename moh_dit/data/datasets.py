@@ -37,6 +37,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, Sampler, default_collate
 
+from ..errors import InvalidInput, MoHDiTError
 from ..utils.io import write_json_atomic
 
 __all__ = [
@@ -179,18 +180,19 @@ def find_image_folder(root: str | os.PathLike) -> tuple[list[str], dict[str, int
     in that order, as torchvision's ImageFolder) and ``samples`` a sorted list of
     ``(path, label)``. Hidden folders and files (names starting with ".") are ignored. Each
     class folder is scanned with :func:`scan_image_files` (links to folders followed, no
-    folder entered twice within a class, never the data folder or a folder above it). Raises ValueError, naming the problem, when the
-    root is missing, has no class folders, or a class folder holds no image -- before any
-    image is decoded.
+    folder entered twice within a class, never the data folder or a folder above it). Raises
+    :class:`~moh_dit.errors.InvalidInput` about ``data_dir`` (what the readers of an ImageFolder
+    call ``root``), naming the problem, when the root is missing, has no class folders, or a
+    class folder holds no image -- before any image is decoded.
     """
     root = Path(root)
     if not root.is_dir():
-        raise ValueError(f"data directory {str(root)!r} does not exist or is not a directory")
+        raise InvalidInput(f"data_dir {str(root)!r} does not exist or is not a directory", parameters="data_dir")
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
-        raise ValueError(
-            f"data directory {str(root)!r} has no class subfolders; expected the ImageFolder layout "
-            f"root/<class_name>/<image>.png (e.g. moh-dit make-demo-dataset writes one)"
+        raise InvalidInput(
+            f"data_dir {str(root)!r} has no class subfolders; expected the ImageFolder layout "
+            f"root/<class_name>/<image>.png (e.g. moh-dit make-demo-dataset writes one)", parameters="data_dir"
         )
     class_to_idx = {name: i for i, name in enumerate(classes)}
     samples: list[tuple[str, int]] = []
@@ -202,10 +204,10 @@ def find_image_folder(root: str | os.PathLike) -> tuple[list[str], dict[str, int
         samples.extend((path, class_to_idx[name]) for path in found)
     if empty:
         shown = ", ".join(repr(c) for c in empty[:5]) + (" ..." if len(empty) > 5 else "")
-        raise ValueError(
-            f"{len(empty)} of {len(classes)} class folders in {str(root)!r} contain no images "
+        raise InvalidInput(
+            f"{len(empty)} of {len(classes)} class folders in data_dir {str(root)!r} contain no images "
             f"(extensions {', '.join(IMG_EXTENSIONS)}): {shown}. Remove them or add images; "
-            f"an empty class would get a label the model never sees."
+            f"an empty class would get a label the model never sees.", parameters="data_dir"
         )
     return classes, class_to_idx, samples
 
@@ -215,8 +217,9 @@ def find_image_folder(root: str | os.PathLike) -> tuple[list[str], dict[str, int
 # --------------------------------------------------------------------------------------
 
 
-class CorruptImageError(OSError):
-    """An image file that cannot be decoded; the message names the file."""
+class CorruptImageError(MoHDiTError, OSError):
+    """An image file that cannot be decoded; the message names the file (and ``on_corrupt``, the
+    parameter of the readers that can skip such files)."""
 
 
 _MAX_16BIT = 65535.0
@@ -306,7 +309,7 @@ def load_image(path: str | os.PathLike) -> Image.Image:
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
         raise CorruptImageError(
             f"cannot read image {str(path)!r}: {type(err).__name__}: {err}. Replace or delete the "
-            f"file, or pass --on-corrupt skip (on_corrupt='skip' in Python) to leave such images out."
+            "file, or set on_corrupt to 'skip' to leave such images out.", parameters="on_corrupt"
         ) from err
 
 

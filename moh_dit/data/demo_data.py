@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from ..errors import InvalidInput
 from ..hub.outputs import check_replaceable, naming_write_errors
 from ..utils.io import publish_folder, write_json_atomic
 from ..utils.output_folders import hold_output_folder, write_output_marker
@@ -123,16 +124,15 @@ def make_demo_dataset(
     for name, value, low, high in (("images_per_class", images_per_class, 1, None),
                                    ("image_size", image_size, MIN_IMAGE_SIZE, MAX_IMAGE_SIZE),
                                    ("seed", seed, 0, None)):  # fmt: skip
-        flag = "--" + name.replace("_", "-")
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"{name} ({flag}) must be an integer, got {value!r}")
+            raise InvalidInput(f"{name} must be an integer, got {value!r}", parameters=name)
         if value < low or (high is not None and value > high):
             bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise ValueError(f"{name} ({flag}) must be {bounds}, got {value}")
+            raise InvalidInput(f"{name} must be {bounds}, got {value}", parameters=name)
     output_dir = Path(output_dir)
     check_replaceable(output_dir, overwrite, "make-demo-dataset", _is_demo_dataset,
                       "a demo dataset (no demo_dataset.json written by this script)")
-    with hold_output_folder(output_dir, "make-demo-dataset", "--output-dir"):
+    with hold_output_folder(output_dir, "make-demo-dataset", "output_dir"):
         _draw(output_dir, overwrite, images_per_class, image_size, seed)
     return output_dir
 

@@ -9,7 +9,7 @@ still flip with probability 1/2 and draw a fresh ``z = mean + std * eps`` each t
 Layout of a cache folder::
 
     index.json            format, version, shapes, dtype, image size, VAE id, scaling factor, class map, shards
-    .moh-dit-output.json  the marker of moh-dit extract-latents (what --overwrite may replace)
+    .moh-dit-output.json  the marker of moh-dit extract-latents (what overwrite may replace)
     labels.npy            int64 (N,)
     files.json            source image of every cached sample, relative to the data folder
     shard_00000.npy ...   (n, 2, 2, C, h, w): [sample, view (plain, flipped), stat (mean, std)]
@@ -53,6 +53,7 @@ from .datasets import (
     item_rng,
     load_image,
 )
+from ..errors import InvalidInput
 from ..utils.io import naming_path, publish_folder, write_json_atomic
 from ..utils.logging import get_logger
 from ..utils.output_folders import check_output_folder, check_outside_inputs, hold_output_folder, write_output_marker
@@ -96,7 +97,7 @@ def load_vae(vae: str | os.PathLike, subfolder: str | None = None, device: str |
         raise FileNotFoundError(
             f"cannot load an AutoencoderKL from {str(vae)!r}{f' (subfolder {subfolder!r})' if subfolder else ''}: "
             f"{err}. Pass a diffusers VAE folder (with config.json) or a hub id such as stabilityai/sd-vae-ft-ema; "
-            f"for a full pipeline repository add --vae-subfolder vae."
+            "a full pipeline repository keeps its VAE in the subfolder 'vae'."
         ) from err
     return model.to(device).eval().requires_grad_(False)
 
@@ -138,7 +139,8 @@ def _check_factor_early(vae: Any, subfolder: str | None, image_size: int) -> Non
         return
     factor = 2 ** (len(channels) - 1) if isinstance(channels, list) and channels else None
     if factor and image_size % factor:
-        raise ValueError(f"image_size {image_size} is not a multiple of the VAE's downsampling factor {factor}")
+        raise InvalidInput(f"image_size {image_size} is not a multiple of the VAE's downsampling factor {factor}",
+                           parameters="image_size")
 
 
 # --------------------------------------------------------------------------------------
@@ -216,28 +218,26 @@ def extract_latents(
     holds ``.NAME.lock`` beside ``output_dir``: a second extraction into it stops at once.
     """
     _check_arguments(on_corrupt, dtype, image_size, batch_size, shard_size, num_workers)
+    device = _check_device(device)
     data_dir, output_dir = Path(data_dir), Path(output_dir)
     vae_folder = _local_vae_folder(vae, vae_subfolder)
-    check_outside_inputs(output_dir, {"--data-dir": data_dir, "--vae": vae_folder})
+    check_outside_inputs(output_dir, {"data_dir": data_dir, "vae": vae_folder}, "output_dir")
     classes, class_to_idx, samples = find_image_folder(data_dir)
     _check_output_dir(output_dir, overwrite)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device} but CUDA is not available; use --device cpu")
     _check_factor_early(vae, vae_subfolder, image_size)
     # One batch of images, plain and flipped, as float32 on the host: a lower bound of what
     # the encoder's input takes (its activations take more).
-    check_fits_in_memory(batch_size * 2 * 3 * image_size**2 * 4, f"--batch-size {batch_size} at --image-size "
-                         f"{image_size}", "use a smaller --batch-size")
+    check_fits_in_memory(batch_size * 2 * 3 * image_size**2 * 4, f"batch_size {batch_size} at image_size "
+                         f"{image_size}", "use a smaller batch_size", parameters=("batch_size", "image_size"))
     # A local VAE is recorded by its absolute path, so that training finds it from any folder.
     local_vae = str(Path(vae).absolute()) if vae_folder is not None else None
-    with hold_output_folder(output_dir, "extract-latents", "--output-dir"):
+    with hold_output_folder(output_dir, "extract-latents", "output_dir"):
         _check_output_dir(output_dir, overwrite)  # another extraction may have finished it meanwhile
         vae = _ready_vae(vae, vae_subfolder, device)
         factor = vae_downsample_factor(vae)
         if image_size % factor:
-            raise ValueError(f"image_size {image_size} is not a multiple of the VAE's downsampling factor {factor}")
+            raise InvalidInput(f"image_size {image_size} is not a multiple of the VAE's downsampling factor {factor}",
+                               parameters="image_size")
         settings = {
             "format": LATENT_FORMAT,
             "version": _VERSION,
@@ -269,13 +269,27 @@ def extract_latents(
 def _check_arguments(on_corrupt: str, dtype: str, image_size: int, batch_size: int, shard_size: int,
                      num_workers: int) -> None:
     if on_corrupt not in ON_CORRUPT:
-        raise ValueError(f"on_corrupt must be one of {ON_CORRUPT}, got {on_corrupt!r}")
+        raise InvalidInput(f"on_corrupt must be one of {ON_CORRUPT}, got {on_corrupt!r}", parameters="on_corrupt")
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        raise InvalidInput(f"dtype must be one of {_DTYPES}, got {dtype!r}", parameters="dtype")
     for name, value, least in (("image_size", image_size, 1), ("batch_size", batch_size, 1),
                                ("shard_size", shard_size, 1), ("num_workers", num_workers, 0)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= {least}, got {value!r}")
+            raise InvalidInput(f"{name} must be an integer >= {least}, got {value!r}", parameters=name)
+
+
+def _check_device(device: str | torch.device | None) -> str | torch.device:
+    """``device``, CUDA when available if None; refused when torch does not know it or it is a
+    CUDA device on a machine without CUDA."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidInput(f"device must be cpu, cuda or cuda:N, got {device!r}", parameters="device") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInput(f"device {device} but CUDA is not available; use cpu", parameters="device")
+    return device
 
 
 def _ready_vae(vae: Any, subfolder: str | None, device: str | torch.device):
@@ -412,7 +426,7 @@ def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
     """Refuse outputs that would destroy something else; nothing is written here (the data
     folder and the VAE are kept apart by ``check_outside_inputs``)."""
     check_output_folder(output_dir, overwrite, _is_latent_cache,
-                        f"a latent cache (no {_INDEX} of format {LATENT_FORMAT!r})", named="--output-dir ")
+                        f"a latent cache (no {_INDEX} of format {LATENT_FORMAT!r})", named="output_dir ", flag="output_dir")
     partial = _partial_dir(output_dir)
     if partial.exists() and not partial.is_dir():
         raise FileExistsError(f"{str(partial)!r} is in the way of the extraction (not a folder); move it away")
@@ -490,7 +504,7 @@ def _fill_shard(job: _ShardJob, loader: DataLoader, tmp: Path, capacity: int) ->
         n += b
     del batches  # stop the DataLoader workers now rather than when a traceback is freed
     if error is not None:
-        raise CorruptImageError(error)
+        raise CorruptImageError(error, parameters="on_corrupt")
     out.flush()
     del out
     if n < capacity:  # images were skipped: keep only the filled rows
