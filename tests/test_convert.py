@@ -93,8 +93,9 @@ def test_pos_embed_mismatch_refused(tmp_path, randomize):
 def test_missing_ema_and_missing_file(tmp_path, randomize):
     model = randomize(MoHDiTTransformer2DModel.from_preset("DiT-Tiny", sample_size=8))
     torch.save({"model": model_to_release_state_dict(model)}, tmp_path / "c.pt")
-    with pytest.raises(ConversionError, match="no 'ema' weights"):
+    with pytest.raises(ConversionError, match="'ema'") as err:
         convert_checkpoint(tmp_path / "c.pt", "DiT-Tiny")
+    assert err.value.parameters == ("weights",)
     res = _run("--checkpoint", tmp_path / "nope.pt", "--preset", "DiT-Tiny", "--output", tmp_path / "o")
     assert res.returncode != 0 and "does not exist" in res.stderr
 
@@ -135,7 +136,7 @@ def test_diffusers_divergent_embedders_refused(tmp_path, randomize):
     with pytest.raises(ConversionError, match="differ between blocks"):
         convert_checkpoint(tmp_path / "t", "DiT-Tiny")
     convert_checkpoint(tmp_path / "t", "DiT-Tiny", allow_divergent_embeddings=True)
-    with pytest.raises(ConversionError, match="dense preset"):
+    with pytest.raises(ConversionError, match="MoH-DiT-Tiny"):
         convert_checkpoint(tmp_path / "t", "MoH-DiT-Tiny")
 
 
@@ -175,52 +176,51 @@ def inputs(tmp_path_factory):
     return root
 
 
-FORMATS = r"Expected a \.pt/\.pth torch checkpoint .*\.safetensors.*diffusers.*Hub id"
+FORMATS = r"\.safetensors.*Hub id"  # what a checkpoint may be, in every refusal of an unreadable one
 
 
 @pytest.mark.parametrize(
     "argv, match",
     [
         # Reproductions: text, empty and truncated files gave KeyError / EOFError / RuntimeError tracebacks.
-        (["--checkpoint", "{in}/text.pt"], rf"text\.pt is not a readable torch checkpoint.*{FORMATS}"),
-        (["--checkpoint", "{in}/empty.pt"], rf"empty\.pt is empty \(0 bytes\)\. {FORMATS}"),
-        (["--checkpoint", "{in}/truncated.pt"], rf"truncated\.pt is not a readable torch checkpoint \(truncated.*{FORMATS}"),
-        (["--checkpoint", "{in}/bad.safetensors"], rf"bad\.safetensors is not a readable \.safetensors file.*{FORMATS}"),
-        (["--checkpoint", "{in}/notes.txt"], rf"notes\.txt is not a readable torch checkpoint.*{FORMATS}"),
-        (["--checkpoint", "{in}/folder"], rf"folder is a folder without config\.json\. {FORMATS}"),
-        (["--checkpoint", "{in}/other"], r"describes a 'UNet2DModel', not a DiTTransformer2DModel"),
-        (["--checkpoint", "{in}/brokenjson"], r"config\.json is not valid JSON"),
+        (["--checkpoint", "{in}/text.pt"], rf"text\.pt .*readable.*{FORMATS}"),
+        (["--checkpoint", "{in}/empty.pt"], rf"empty\.pt .*0 bytes.*{FORMATS}"),
+        (["--checkpoint", "{in}/truncated.pt"], rf"truncated\.pt .*truncated.*{FORMATS}"),
+        (["--checkpoint", "{in}/bad.safetensors"], rf"bad\.safetensors .*readable.*{FORMATS}"),
+        (["--checkpoint", "{in}/notes.txt"], rf"notes\.txt .*readable.*{FORMATS}"),
+        (["--checkpoint", "{in}/folder"], rf"folder .*config\.json.*{FORMATS}"),
+        (["--checkpoint", "{in}/other"], r"UNet2DModel"),
+        (["--checkpoint", "{in}/brokenjson"], r"config\.json .*JSON"),
         # Missing paths are missing files, never Hub ids (the relative one used to be tried on the Hub).
-        (["--checkpoint", "checkpoints/missing-7000000.pt"], r"Checkpoint file checkpoints/missing-7000000\.pt does not exist"),
-        (["--checkpoint", "./missing"], r"Checkpoint file \./missing does not exist"),
-        (["--checkpoint", "missing.pt"], r"Checkpoint file missing\.pt does not exist"),
-        (["--checkpoint", "{tmp}/a/b/missing"], r"Checkpoint file .*a/b/missing does not exist"),
+        (["--checkpoint", "checkpoints/missing-7000000.pt"], r"checkpoints/missing-7000000\.pt does not exist"),
+        (["--checkpoint", "./missing"], r"\./missing does not exist"),
+        (["--checkpoint", "missing.pt"], r"missing\.pt does not exist"),
+        (["--checkpoint", "{tmp}/a/b/missing"], r"a/b/missing does not exist"),
         # Only an org/name shape is tried on the Hub (offline in tests).
-        (["--checkpoint", "no-such-org/no-such-model"], r"neither a local path .* nor fetchable from the Hub"),
+        (["--checkpoint", "no-such-org/no-such-model"], r"no-such-org/no-such-model.*Hub"),
         (["--preset", "DiT-Huge/2"], r"--preset: invalid choice"),
-        (["--preset", "DiT-Tiny"], r"(?s)does not match the model built from the preset.*unexpected"),
-        (["--checkpoint", "{in}/foreign.pt"], r"foreign\.pt is a pickle holding fractions\.Fraction, not only tensors"),
+        (["--preset", "DiT-Tiny"], r"(?s)--preset.*unexpected"),
+        (["--checkpoint", "{in}/foreign.pt"], r"foreign\.pt .*fractions\.Fraction"),
         (["--weights", "best"], r"--weights: invalid choice"),
-        (["--weights", "model"], r"has no 'model' weights.*--weights"),
-        (["--sample-size", "0"], r"--sample-size \(sample_size\) must be an int >= 1, got 0"),
-        (["--sample-size", "-8"], r"--sample-size \(sample_size\) must be an int >= 1, got -8"),
-        (["--sample-size", "10"], r"--sample-size \(sample_size\) 10 is not a multiple of MoH-DiT-Tiny's patch size 4"),
+        (["--weights", "model"], r"'model'.*--weights"),
+        (["--sample-size", "0"], r"--sample-size .*got 0"),
+        (["--sample-size", "-8"], r"--sample-size .*got -8"),
+        (["--sample-size", "10"], r"--sample-size 10 .*patch size 4"),
         (["--sample-size", "16"], r"wrong shape.*pos_embed"),
         (["--sample-size", "nan"], r"--sample-size: invalid int value"),
-        (["--num-classes", "0"], r"--num-classes \(num_classes\) must be an int >= 1, got 0"),
-        (["--num-classes", "-3"], r"--num-classes \(num_classes\) must be an int >= 1"),
+        (["--num-classes", "0"], r"--num-classes .*got 0"),
+        (["--num-classes", "-3"], r"--num-classes .*got -3"),
         (["--num-classes", "5"], r"wrong shape.*y_embedder"),
         # --output-dir (here by its old name, --output): a file, a path under a file, a non-empty
         # folder without --overwrite.
-        (["--output", "{tmp}/file.txt"], r"--output-dir .*file\.txt is a file; give a folder path"),
+        (["--output", "{tmp}/file.txt"], r"--output-dir .*file\.txt is a file"),
         (["--output", "{tmp}/file.txt", "--overwrite"], r"file\.txt is a file"),
-        (["--output", "{tmp}/file.txt/model"], r"lies under .*file\.txt, which is a file"),
-        (["--output", "{tmp}/full"], r"full' already exists; delete it, choose another --output-dir or pass --overwrite"),
+        (["--output", "{tmp}/file.txt/model"], r"lies under .*file\.txt"),
+        (["--output", "{tmp}/full"], r"full' already exists.*--overwrite"),
         # Reproduction: --overwrite deleted a user's folder that no conversion wrote.
-        (["--output", "{tmp}/full", "--overwrite"],
-         r"--overwrite would replace .*full', which is not an earlier conversion .*; choose another --output-dir"),
+        (["--output", "{tmp}/full", "--overwrite"], r"--overwrite would replace .*full'.*--output-dir"),
         # A folder another command wrote (here a training run, by its marker) is not convert's to replace.
-        (["--output", "{tmp}/run", "--overwrite"], r"--overwrite would replace .*run', which moh-dit train wrote"),
+        (["--output", "{tmp}/run", "--overwrite"], r"--overwrite would replace .*run'.*moh-dit train"),
         # The output never contains the checkpoint it reads.
         (["--checkpoint", "{tmp}/conv/ckpt.pt", "--output", "{tmp}/conv", "--overwrite"],
          r"--output-dir .*conv contains --checkpoint .*ckpt\.pt"),

@@ -195,11 +195,11 @@ def test_a_saved_folder_upcycles_at_another_ratio(dit_s2, tmp_path):
 
 @pytest.mark.parametrize("argv, match", [
     (["--checkpoint", "{t}/dit-s2.pt", "--preset", "DiT-S/2", "--activation", "0.16"],
-     r"--activation 0\.16 is outside the reachable range \[0\.1667, 1\.0\] of this dense model \(12 layers, 72"),
-    (["--checkpoint", "{t}/folder", "--activation", "0.1"], r"outside the reachable range \[0\.1667, 1\.0\]"),
-    (["--checkpoint", "{t}/folder", "--activation", "1.2"], r"--activation must be a head activation in \(0, 1\]"),
+     r"--activation 0\.16 .*\[0\.1667, 1\.0\] .*\(12 layers, 72"),
+    (["--checkpoint", "{t}/folder", "--activation", "0.1"], r"\[0\.1667, 1\.0\]"),
+    (["--checkpoint", "{t}/folder", "--activation", "1.2"], r"--activation .*got 1\.2"),
     (["--checkpoint", "{t}/folder", "--activation", "0.6", "--shared-heads", "3", "--top-k", "1"],
-     "give either --activation"),
+     "--activation.*--shared-heads.*--top-k"),
 ])
 def test_command_refuses_an_unreachable_ratio(argv, match, dit_s2, tmp_path, refuses):
     err = refuses("upcycle", [a.format(t=dit_s2) for a in argv] + ["--output-dir", str(tmp_path / "out")], match)

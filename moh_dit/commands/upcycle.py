@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
 import torch
 
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
@@ -52,7 +50,7 @@ def _layers(text: str) -> int | list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="dense model: a saved model folder, or what moh-dit convert reads")
-    p.add_argument("--output-dir", required=True,
+    p.add_argument("--output-dir", dest="output", required=True,
                    help="new folder for the MoH model (must not exist, or be empty; see --overwrite)")
     p.add_alias("--output", "--output-dir")
     p.add_argument("--preset", default=None, help="dense preset of a checkpoint that is not a saved model folder (DiT-XL/2, ...)")
@@ -60,8 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "layout where one fits, else the upcycling rule's; the realised ratio is printed)")
     p.add_argument("--shared-heads", type=_layers, default=None, help="shared heads: one number, or one per layer")
     p.add_argument("--top-k", type=_layers, default=None, help="routed top-K: one number, or one per layer")
-    p.add_argument("--calibration-data", default=None, help="ImageFolder or latent cache to measure head importance on")
-    p.add_argument("--calibration-batches", type=int, default=4, help="batches of calibration data (default: %(default)s)")
+    p.add_argument("--calibration-data", dest="calibration", default=None,
+                   help="ImageFolder or latent cache to measure head importance on")
+    p.add_argument("--calibration-batches", dest="calibration_batches_count", type=int, default=4,
+                   help="batches of calibration data (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=16, help="calibration batch size (default: %(default)s)")
     p.add_argument("--vae", default=None, help="VAE folder or hub id to encode an ImageFolder for a latent model")
     p.add_argument("--weights", choices=["ema", "model"], default="ema", help="which weights of a training checkpoint")
@@ -77,11 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 @command
 def main(args: argparse.Namespace) -> int:
-    check_output(args.output_dir, args.overwrite)  # before any loading or measuring
-    if args.calibration_data is None and args.vae is not None:
+    check_output(args.output, args.overwrite)  # before any loading or measuring
+    if args.calibration is None and args.vae is not None:
         raise ValueError("--vae only encodes --calibration-data; give --calibration-data or drop --vae.")
-    if args.calibration_data is not None and not Path(args.calibration_data).is_dir():
-        raise FileNotFoundError(f"--calibration-data {args.calibration_data}: no such folder.")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}.")
     try:
@@ -90,9 +88,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device} but CUDA is not available; use --device cpu.")
-    check_outside_inputs(args.output_dir, {"--checkpoint": local_path(args.checkpoint), "--vae": local_path(args.vae),
-                                           "--calibration-data": args.calibration_data}, "--output-dir")
-    with hold_output_folder(args.output_dir, "upcycle", "--output-dir"):
+    check_outside_inputs(args.output, {"checkpoint": local_path(args.checkpoint), "vae": local_path(args.vae),
+                                       "calibration": args.calibration}, "output")
+    with hold_output_folder(args.output, "upcycle", "output"):
         _upcycle(args, device)
     return 0
 
@@ -101,15 +99,15 @@ def _upcycle(args: argparse.Namespace, device: torch.device) -> None:
     """The checked command: measure, upcycle, write --output-dir."""
     model, report = upcycle(
         args.checkpoint, args.activation, shared_heads=args.shared_heads, top_k=args.top_k,
-        calibration=args.calibration_data, calibration_batches_count=args.calibration_batches,
+        calibration=args.calibration, calibration_batches_count=args.calibration_batches_count,
         batch_size=args.batch_size, preset=args.preset, weights=args.weights, sample_size=args.sample_size,
         num_classes=args.num_classes, vae=args.vae, seed=args.seed, device=device, progress=info_enabled(),
     )
     logger.info(report.table())
-    save_upcycled(model, report, args.output_dir, overwrite=args.overwrite)
+    save_upcycled(model, report, args.output, overwrite=args.overwrite)
     params = sum(p.numel() for p in model.parameters())
     logger.info(f"Wrote the upcycled model ({params:,} parameters, head activation {model.head_activation_ratio:.4f}) "
-                f"to {args.output_dir}; its config.json records the layout")
+                f"to {args.output}; its config.json records the layout")
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -234,9 +234,9 @@ def _claim(args: argparse.Namespace, out: Path) -> None:
 def main(args: argparse.Namespace) -> int:
     check_args(args)
     out = Path(args.output_dir)
-    check_outside_inputs(out, {"--inception-weights": args.inception_weights}, "--output-dir")
+    check_outside_inputs(out, {"inception_weights": args.inception_weights}, "output_dir")
     check_claim(args, out)
-    with hold_output_folder(out, "upcycle-demo", "--output-dir"):
+    with hold_output_folder(out, "upcycle-demo", "output_dir"):
         _claim(args, out)  # checked again, as the one writer
         _run(args, out)
     return 0

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InvalidInput
 from ..utils.io import publish_folder
 from ..utils.output_folders import check_folder_path, check_outside_inputs, hold_output_folder, write_output_marker
 from .outputs import check_replaceable, local_path, naming_write_errors
@@ -41,11 +42,11 @@ __all__ = [
 ]
 
 
-class ConversionError(ValueError):
+class ConversionError(InvalidInput):
     """The checkpoint does not match the requested preset or format."""
 
 
-# What --checkpoint accepts, for the errors that must say it.
+# What a checkpoint may be, for the errors that must say it.
 ACCEPTED_FORMATS = (
     "a .pt/.pth torch checkpoint of the MoH-DiT release or facebookresearch/DiT (or a bare state dict in "
     "their key format), a .safetensors state dict, a diffusers DiTTransformer2DModel or DiTPipeline folder, "
@@ -126,7 +127,8 @@ def model_to_release_state_dict(model: MoHDiTTransformer2DModel) -> dict[str, to
 
 
 def _check_keys(
-    given: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str, hint: str
+    given: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str, hint: str,
+    parameters: tuple[str, ...],
 ) -> None:
     missing = sorted(set(expected) - set(given))
     unexpected = sorted(set(given) - set(expected))
@@ -136,11 +138,11 @@ def _check_keys(
         if tuple(given[k].shape) != tuple(expected[k].shape)
     )
     if missing or unexpected or mis_shaped:
-        lines = [f"The {what} does not match the model built from the preset. {hint}"]
+        lines = [f"The {what} does not match the model built for it. {hint}"]
         for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", mis_shaped)):
             if items:
                 lines.append(f"  {title} ({len(items)}): " + "; ".join(items))
-        raise ConversionError("\n".join(lines))
+        raise ConversionError("\n".join(lines), parameters=parameters)
 
 
 def _strip_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -159,15 +161,15 @@ def release_state_dict_to_model(
     expected = model_to_release_state_dict(model)
     _check_keys(
         state_dict, expected, "checkpoint",
-        "Check --preset (a MoH checkpoint needs a MoH preset with the same per-layer heads), "
-        "--sample-size and --num-classes.",
+        "Check preset (a MoH checkpoint needs a MoH one with the same per-layer heads), sample_size and num_classes.",
+        ("preset", "sample_size", "num_classes"),
     )
     # pos_embed is a fixed sin-cos table; a mismatch means a wrong sample or patch size.
     diff = (state_dict["pos_embed"].float() - expected["pos_embed"].float()).abs().max().item()
     if diff > pos_embed_atol:
         raise ConversionError(
             f"The checkpoint's positional embedding differs from the sin-cos table of this config by {diff:.3g}; "
-            "check --sample-size and the preset's patch size."
+            "check sample_size and the patch size of preset.", parameters=("sample_size", "preset")
         )
     ours: dict[str, torch.Tensor] = {}
     for rel, mine in _release_name_map(model).items():
@@ -212,12 +214,13 @@ def diffusers_dit_state_dict_to_model(
     if worst > 0 and not allow_divergent_embeddings:
         raise ConversionError(
             f"The per-block timestep/label embedders differ between blocks (max difference {worst:.3g}); "
-            "folding them into one changes the model. Pass --allow-divergent-embeddings (allow_divergent_embeddings=True) "
-            "to use block 0's copy."
+            "folding them into one changes the model. Set allow_divergent_embeddings to use block 0's copy.",
+            parameters="allow_divergent_embeddings"
         )
     for rest, value in first.items():
         ours[f"time_class_embed.{rest}"] = value
-    _check_keys(ours, model.state_dict(), "diffusers DiT state dict", "Check --preset (use the dense DiT preset of the same size).")
+    _check_keys(ours, model.state_dict(), "diffusers DiT state dict",
+                "Check preset (a dense DiT one of the same size).", ("preset",))
     model.load_state_dict(ours, strict=True)
 
 
@@ -301,7 +304,7 @@ def load_checkpoint_state_dict(source: str | os.PathLike, weights: str = "ema") 
     ``"diffusers"`` (a ``DiTTransformer2DModel`` folder, or a pipeline folder holding one).
     """
     if weights not in ("ema", "model"):
-        raise ValueError(f"weights={weights!r}; choose 'ema' (used for sampling) or 'model'.")
+        raise InvalidInput(f"weights {weights!r}: choose 'ema' (used for sampling) or 'model'.", parameters="weights")
     path = _fetch(str(source))
     if path.is_dir():
         if (path / "model_index.json").exists() and (path / "transformer").is_dir():
@@ -328,9 +331,8 @@ def load_checkpoint_state_dict(source: str | os.PathLike, weights: str = "ema") 
     if "ema" in raw or "model" in raw:
         if weights not in raw:
             raise ConversionError(
-                f"{path} has no {weights!r} weights; its top-level keys are {sorted(raw)}. "
-                "Choose the weights it has with --weights (weights=)."
-            )
+                f"{path} has no {weights!r} entry; its top-level keys are {sorted(raw)}: set weights to one it has.",
+                parameters="weights")
         raw = raw[weights]
     state_dict = {k: v for k, v in raw.items() if torch.is_tensor(v)}
     if not state_dict:
@@ -366,9 +368,9 @@ def _check_output(output: Path, overwrite: bool) -> None:
     """Refuse an output that is a file (or lies under one) whatever ``overwrite`` says, and an
     existing folder unless ``overwrite`` and it is empty, marked by moh-dit convert or an
     earlier conversion (:func:`is_model_folder`): nothing the user made is replaced."""
-    check_folder_path(output, "--output-dir", "give a folder path (output=)", error=FileExistsError)
+    check_folder_path(output, "output", "give a folder path", error=FileExistsError)
     check_replaceable(output, overwrite, "convert", is_model_folder,
-                      "an earlier conversion (a saved MoHDiTTransformer2DModel folder)")
+                      "an earlier conversion (a saved MoHDiTTransformer2DModel folder)", "output")
 
 
 def save_pretrained_atomic(model: MoHDiTTransformer2DModel, output: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -400,22 +402,22 @@ def convert_checkpoint(
     ``save_pretrained`` when given; returned either way.
     """
     if preset not in PRESETS:
-        raise ValueError(f"Unknown preset {preset!r}. Known presets: {', '.join(PRESETS)}.")
+        raise InvalidInput(f"preset {preset!r} is unknown; choose one of {', '.join(PRESETS)}.", parameters="preset")
     config = get_preset(preset)
     patch = config["patch_size"]
-    for flag, value in (("--sample-size (sample_size)", sample_size), ("--num-classes (num_classes)", num_classes)):
+    for name, value in (("sample_size", sample_size), ("num_classes", num_classes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{flag} must be an int >= 1, got {value!r}; leave it out to read it from the checkpoint.")
+            raise InvalidInput(f"{name} must be an int >= 1, got {value!r}; leave it out to read it from the "
+                               "checkpoint.", parameters=name)
     if sample_size is not None and sample_size % patch:
-        raise ValueError(
-            f"--sample-size (sample_size) {sample_size} is not a multiple of {preset}'s patch size {patch}."
-        )
+        raise InvalidInput(f"sample_size {sample_size} is not a multiple of the patch size {patch} of {preset}.",
+                           parameters="sample_size")
     if output is None:
         return _convert(checkpoint, preset, config, weights, sample_size, num_classes, allow_divergent_embeddings)
     output = Path(output)
     _check_output(output, overwrite)  # before the (slow) load: nothing is read for a refused output
-    check_outside_inputs(output, {"--checkpoint": local_path(checkpoint)}, "--output-dir")
-    with hold_output_folder(output, "convert", "--output-dir"):
+    check_outside_inputs(output, {"checkpoint": local_path(checkpoint)}, "output")
+    with hold_output_folder(output, "convert", "output"):
         model = _convert(checkpoint, preset, config, weights, sample_size, num_classes, allow_divergent_embeddings)
         save_pretrained_atomic(model, output, overwrite=overwrite)
     return model
@@ -435,7 +437,8 @@ def _convert(checkpoint: str | os.PathLike, preset: str, config: dict[str, Any],
             num_classes = table.shape[0] - 1
     else:
         if config.get("num_shared_heads") is not None:
-            raise ConversionError(f"A diffusers DiTTransformer2DModel is a dense DiT; convert it into a dense preset, not {preset!r}.")
+            raise ConversionError(f"A diffusers DiTTransformer2DModel is a dense DiT; give a dense one as preset, "
+                                  f"not {preset!r}.", parameters="preset")
         sample_size = sample_size or dconfig.get("sample_size")
         num_classes = num_classes or dconfig.get("num_embeds_ada_norm")
     if sample_size is not None:

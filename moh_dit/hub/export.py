@@ -21,7 +21,7 @@ weights with the package's own classes, without running the folder's files
 (:mod:`moh_dit.hub.export_format`, which also names the module files).
 
 Every argument is checked before any work; the folder is built in a temporary sibling and
-appears complete or not at all (``io_utils.publish_folder``), and ``--overwrite`` replaces
+appears complete or not at all (``io_utils.publish_folder``), and ``overwrite`` replaces
 only an earlier export. Pushing to the Hub happens after the local folder is complete, in
 one commit; a repository this call created is deleted again if the upload fails.
 """
@@ -39,6 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import __version__
+from ..errors import DamagedFile, InputNotFound, InvalidInput
 from ..app import SPACE_BUNDLE, space_card, space_files
 from .bundle import bundle_module
 from .export_format import PIPELINE_MODULE, TRANSFORMER_MODULE
@@ -48,7 +49,7 @@ from ..utils.output_folders import OUTPUT_MARKER, check_outside_inputs, hold_out
 from .outputs import check_replaceable, local_path, naming_write_errors
 from ..sampling.sample import check_model_flags, load_pipeline, model_folder
 from ..sampling.sweep_results import JSON_FILE as SWEEP_JSON
-from ..training.run_folder import RUN_RECORD
+from ..training import RUN_RECORD
 
 __all__ = [
     "VARIANTS",
@@ -80,7 +81,7 @@ class HubPushError(RuntimeError):
 
 @dataclass(frozen=True)
 class ExportSource:
-    """What ``--model`` resolves to: the folder ``load_pipeline`` reads (a pipeline or a
+    """What ``model`` resolves to: the folder ``load_pipeline`` reads (a pipeline or a
     transformer folder) and the training record found beside it, if any."""
 
     model_dir: Path
@@ -89,79 +90,80 @@ class ExportSource:
     record_path: Path | None
 
 
-def _read_json(path: Path, flag: str, what: str) -> Any:
+def _read_json(path: Path, parameter: str, what: str) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise ValueError(f"{flag} {path}: cannot read it as JSON ({type(error).__name__}: {error}); give {what}.") from None
+        raise DamagedFile(f"{parameter} {path}: cannot read it as JSON ({type(error).__name__}: {error}); give {what}.",
+                          parameters=parameter) from None
 
 
 def resolve_model(model: str | os.PathLike, vae: str | None = None) -> ExportSource:
-    """``--model``: a training run folder (its ``final/`` pipeline, with the run's VAE, is
+    """``model``: a training run folder (its ``final/`` pipeline, with the run's VAE, is
     exported and its ``train_config.json`` goes into the card), a run's ``final/``, a pipeline
     folder or a ``save_pretrained`` transformer folder. A latent transformer folder needs ``vae``."""
     check_model_flags(str(model), vae)
-    try:
-        path = model_folder(model)
-    except FileNotFoundError as error:
-        raise FileNotFoundError(f"--model {error}") from None
+    path = model_folder(model)
     record_path = path.parent / RUN_RECORD if path.name == "final" and (path.parent / RUN_RECORD).is_file() else None
     record = None
     if record_path is not None:
-        record = _read_json(record_path, "--model", "a run folder whose train_config.json train.py wrote")
+        record = _read_json(record_path, "model", "a run folder whose train_config.json moh-dit train wrote")
         if not isinstance(record, dict):
-            raise ValueError(f"--model: {record_path} is not a training record; restore it or export final/ alone "
-                             "from a copy without it.")
+            raise DamagedFile(f"model {model}: {record_path} is not a training record; restore it or export final/ "
+                              "alone from a copy without it.", parameters="model")
     is_pipeline = (path / "model_index.json").is_file()
     if not is_pipeline:
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"--model {model} is neither a training run, a pipeline folder (model_index.json) "
-                                    "nor a transformer folder (config.json).")
-        config = _read_json(path / "config.json", "--model", "a save_pretrained transformer folder")
+            raise InputNotFound(f"model {model} is neither a training run, a pipeline folder (model_index.json) "
+                               "nor a transformer folder (config.json).", parameters="model")
+        config = _read_json(path / "config.json", "model", "a save_pretrained transformer folder")
         channels = config.get("in_channels") if isinstance(config, dict) else None
         if channels not in (1, 3) and (vae is None or vae.lower() == "none"):
-            raise ValueError(f"--model {model} is a latent model ({channels}-channel inputs): pass its VAE with --vae, "
-                             "e.g. --vae stabilityai/sd-vae-ft-ema.")
+            raise InvalidInput(f"model {model} takes {channels}-channel latents: give its VAE as vae, e.g. "
+                               "stabilityai/sd-vae-ft-ema.", parameters=("model", "vae"))
     return ExportSource(model_dir=path, is_pipeline=is_pipeline, record=record, record_path=record_path)
 
 
 def read_metrics(path: str | os.PathLike) -> dict[str, Any]:
-    """``--metrics``: the JSON ``moh-dit evaluate --output`` writes (fid, sfid, ...)."""
+    """``metrics``: the JSON result ``moh-dit evaluate`` writes (fid, sfid, ...)."""
     path = Path(path)
-    advice = "the JSON file moh-dit evaluate --output writes"
+    advice = "the JSON result moh-dit evaluate writes"
     if not path.is_file():
-        raise FileNotFoundError(f"--metrics {path} {'is a folder' if path.is_dir() else 'does not exist'}; give {advice}.")
-    metrics = _read_json(path, "--metrics", advice)
-    if not isinstance(metrics, dict) or not any(key in metrics for key in _METRIC_KEYS):
-        raise ValueError(f"--metrics {path} holds none of {', '.join(_METRIC_KEYS)}; give {advice}.")
+        raise InputNotFound(f"metrics {path} {'is a folder' if path.is_dir() else 'does not exist'}; give {advice}.",
+                           parameters="metrics")
+    values = _read_json(path, "metrics", advice)
+    if not isinstance(values, dict) or not any(key in values for key in _METRIC_KEYS):
+        raise InvalidInput(f"metrics {path} holds none of {', '.join(_METRIC_KEYS)}; give {advice}.",
+                           parameters="metrics")
     for key in _METRIC_KEYS:
-        value = metrics.get(key)
+        value = values.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ValueError(f"--metrics {path}: {key} is {value!r}, not a number; give {advice}.")
-    return metrics
+            raise InvalidInput(f"metrics {path}: {key} is {value!r}, not a number; give {advice}.",
+                               parameters="metrics")
+    return values
 
 
 def read_sweep(path: str | os.PathLike) -> dict[str, Any]:
-    """``--sweep``: a head-ratio sweep's output folder (or its ``sweep.json``), as
+    """``sweep``: a head-ratio sweep's output folder (or its ``sweep.json``), as
     ``moh_dit.sampling.sweep_results.write_sweep`` writes it: ``settings`` and one row per ratio."""
     path = Path(path)
     file = path / SWEEP_JSON if path.is_dir() else path
-    advice = f"the output folder of moh-dit sweep (it holds {SWEEP_JSON})"
+    advice = f"the output folder of moh-dit's head-ratio sweeps (it holds {SWEEP_JSON})"
     if not file.is_file():
-        raise FileNotFoundError(f"--sweep {path}: {file} does not exist; give {advice}.")
-    sweep = _read_json(file, "--sweep", advice)
-    rows = sweep.get("rows") if isinstance(sweep, dict) else None
-    if not isinstance(rows, list) or not rows or not isinstance(sweep.get("settings", {}), dict):
-        raise ValueError(f"--sweep {file} has no rows of results; give {advice}.")
+        raise InputNotFound(f"sweep {path}: {file} does not exist; give {advice}.", parameters="sweep")
+    results = _read_json(file, "sweep", advice)
+    rows = results.get("rows") if isinstance(results, dict) else None
+    if not isinstance(rows, list) or not rows or not isinstance(results.get("settings", {}), dict):
+        raise InvalidInput(f"sweep {file} has no rows of results; give {advice}.", parameters="sweep")
     for i, row in enumerate(rows):
         if not isinstance(row, dict) or "ratio" not in row or "realised_ratio" not in row:
-            raise ValueError(f"--sweep {file}: row {i} is not a sweep row (ratio, realised_ratio, fid, ...); "
-                             f"give {advice}.")
-    return sweep
+            raise InvalidInput(f"sweep {file}: row {i} is not a row of results (ratio, realised_ratio, fid, ...); "
+                               f"give {advice}.", parameters="sweep")
+    return results
 
 
 def is_export(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a folder this module wrote (``--overwrite`` replaces only those)."""
+    """Whether ``path`` is a folder this module wrote (``overwrite`` replaces only those)."""
     info = Path(path) / INFO_FILE
     try:
         return json.loads(info.read_text(encoding="utf-8")).get("exported_by") == EXPORTED_BY
@@ -170,15 +172,17 @@ def is_export(path: str | os.PathLike) -> bool:
 
 
 def check_repo_id(repo_id: str) -> None:
-    """``--push-to-hub``: a Hub model id, ``name`` or ``org/name``."""
+    """``push_to_hub``: a Hub model id, ``name`` or ``org/name``."""
     from huggingface_hub.utils import validate_repo_id
 
     if repo_id.count("/") > 1 or Path(repo_id).expanduser().exists():
-        raise ValueError(f"--push-to-hub {repo_id!r} is not a Hub repository id; give name or org/name.")
+        raise InvalidInput(f"push_to_hub {repo_id!r} is not a Hub repository id; give name or org/name.",
+                           parameters="push_to_hub")
     try:
         validate_repo_id(repo_id)
     except ValueError as error:
-        raise ValueError(f"--push-to-hub {repo_id!r} is not a Hub repository id ({error}); give name or org/name.") from None
+        raise InvalidInput(f"push_to_hub {repo_id!r} is not a Hub repository id ({error}); give name or org/name.",
+                           parameters="push_to_hub") from None
 
 
 def _rewrite_index(folder: Path) -> None:
@@ -227,7 +231,7 @@ def _write_weights(pipe, folder: Path, variant: str | None) -> None:
 
 
 def read_head_usage(path: str | os.PathLike) -> tuple[dict[str, Any], bytes | None]:
-    """``--head-usage``: the output folder of ``moh-dit plot-head-usage`` (or its
+    """``head_usage``: the output folder of ``moh-dit plot-head-usage`` (or its
     ``head_usage.json``): the measured usage, checked, and the figure's PNG bytes if present."""
     from ..evaluation.head_usage import JSON_FILE as USAGE_JSON, PLOT_FILE as USAGE_PNG, HeadUsage
 
@@ -235,12 +239,13 @@ def read_head_usage(path: str | os.PathLike) -> tuple[dict[str, Any], bytes | No
     file = path / USAGE_JSON if path.is_dir() else path
     advice = f"the output folder of moh-dit plot-head-usage (it holds {USAGE_JSON})"
     if not file.is_file():
-        raise FileNotFoundError(f"--head-usage {path}: {file} does not exist; give {advice}.")
-    usage = _read_json(file, "--head-usage", advice)
+        raise InputNotFound(f"head_usage {path}: {file} does not exist; give {advice}.", parameters="head_usage")
+    usage = _read_json(file, "head_usage", advice)
     try:
         HeadUsage.from_dict(usage)
     except (TypeError, ValueError, KeyError, AttributeError) as error:
-        raise ValueError(f"--head-usage {file} is not a head-usage record ({error}); give {advice}.") from None
+        raise InvalidInput(f"head_usage {file} is not a head-usage record ({error}); give {advice}.",
+                           parameters="head_usage") from None
     png = file.parent / USAGE_PNG
     return usage, png.read_bytes() if png.is_file() else None
 
@@ -262,18 +267,20 @@ class _Request:
 
 
 def _check_output(out: Path, overwrite: bool) -> None:
-    """``--output-dir``: created, or an empty folder, or with ``overwrite`` an earlier export
+    """``output``: created, or an empty folder, or with ``overwrite`` an earlier export
     (marked by moh-dit export, or with :data:`INFO_FILE`); nothing else is replaced."""
     empty = out.is_dir() and not any(out.iterdir())
-    check_replaceable(out, overwrite or empty, "export", is_export, f"an export of {EXPORTED_BY} (it has {INFO_FILE})")
+    check_replaceable(out, overwrite or empty, "export", is_export, f"an export of {EXPORTED_BY} (it has {INFO_FILE})",
+                      "output")
 
 
 def _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, overwrite, license,
                    head_usage=None) -> _Request:
-    """All the checks, in the order of the flags, before anything is loaded or written."""
+    """All the checks, in the order of the parameters, before anything is loaded or written."""
     source = resolve_model(model, vae)
     if variant is not None and variant not in VARIANTS:
-        raise ValueError(f"--variant {variant!r}; choose one of {', '.join(VARIANTS)} (or leave it out).")
+        raise InvalidInput(f"variant {variant!r}: choose one of {', '.join(VARIANTS)} (or leave it out).",
+                           parameters="variant")
     metrics_dict = None if metrics is None else read_metrics(metrics)
     sweep_dict = None if sweep is None else read_sweep(sweep)
     if head_usage is None and sweep is not None:  # a sweep's own head-usage figure, if it drew one
@@ -284,12 +291,13 @@ def _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, ove
     if push_to_hub is not None:
         check_repo_id(push_to_hub)
     if not license or any(c.isspace() for c in license):
-        raise ValueError(f"--license {license!r}; give a Hub license id such as apache-2.0 or cc-by-nc-4.0.")
+        raise InvalidInput(f"license {license!r}: give a Hub license id such as apache-2.0 or cc-by-nc-4.0.",
+                           parameters="license")
     out = Path(output).expanduser()
     _check_output(out, overwrite)
     vae_path = None if vae is None or vae.lower() == "none" else local_path(vae)
-    check_outside_inputs(out, {"--model": Path(model).expanduser(), "--vae": vae_path, "--sweep": sweep,
-                               "--metrics": metrics, "--head-usage": head_usage}, "--output-dir")
+    check_outside_inputs(out, {"model": Path(model).expanduser(), "vae": vae_path, "sweep": sweep,
+                               "metrics": metrics, "head_usage": head_usage}, "output")
     return _Request(source=source, output=out, vae=vae, variant=variant, metrics=metrics_dict, sweep=sweep_dict,
                     head_usage=usage, repo_id=push_to_hub, license=license, model_label=str(model))
 
@@ -326,7 +334,7 @@ def export_pipeline(
     work) and :class:`HubPushError` when the folder is written but the push failed.
     """
     request = _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, overwrite, license, head_usage)
-    with hold_output_folder(request.output, "export", "--output-dir"):
+    with hold_output_folder(request.output, "export", "output"):
         _export(request, overwrite, private, token, progress, app)
     return request.output
 

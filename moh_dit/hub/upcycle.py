@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..errors import InputNotFound, InvalidInput
 from .convert import convert_checkpoint, is_model_folder
 from .outputs import check_replaceable, naming_write_errors
 from ..diffusion.gaussian_diffusion import create_diffusion
@@ -79,7 +80,7 @@ class UpcycleReport:
     layers: list[LayerChoice]
     first_forward_max_abs_diff: float | None = None  # vs the dense model with unselected heads removed
     notes: list[str] = field(default_factory=list)
-    requested_activation: float | None = None  # --activation; None when the layout was given per layer
+    requested_activation: float | None = None  # activation; None when the layout was given per layer
 
     def table(self) -> str:
         """One line per layer: heads, shared / routed (dense head numbers), top-K, importance."""
@@ -124,11 +125,12 @@ def load_dense(source: Any, preset: str | None = None, weights: str = "ema", sam
             model = MoHDiTTransformer2DModel.from_pretrained(folder[0])
         else:
             if preset is None:
-                raise ValueError(f"{source}: give the dense preset of the checkpoint (--preset, preset=), e.g. "
-                                 "DiT-XL/2; only a saved MoHDiTTransformer2DModel folder names its own layout.")
+                raise InvalidInput(f"{source} needs preset, its dense DiT layout (e.g. DiT-XL/2); only a saved "
+                                   "MoHDiTTransformer2DModel folder names its own layout.", parameters="preset")
             if preset not in PRESETS or PRESETS[preset].get("num_shared_heads") is not None:
                 dense = [n for n, c in PRESETS.items() if c.get("num_shared_heads") is None]
-                raise ValueError(f"--preset {preset!r} is not a dense DiT preset; choose one of {', '.join(dense)}.")
+                raise InvalidInput(f"preset {preset!r} is not a dense DiT; choose one of {', '.join(dense)}.",
+                                   parameters="preset")
             model = convert_checkpoint(source, preset, weights=weights, sample_size=sample_size,
                                        num_classes=num_classes)
         name = str(source)
@@ -172,14 +174,31 @@ def _source_heads(source: Any, preset: str | None) -> list[int] | None:
     return None if layout.is_moh else list(layout.heads)
 
 
-def _per_layer(value: int | Sequence[int], layers: int, flag: str) -> list[int]:
+def _per_layer(value: int | Sequence[int], layers: int, name: str) -> list[int]:
     if isinstance(value, int) and not isinstance(value, bool):
         return [value] * layers
     values = [int(v) for v in value]
     if len(values) != layers:
-        raise ValueError(f"{flag} has {len(values)} values but the model has {layers} layers; give one per layer "
-                         "or a single number for all.")
+        raise InvalidInput(f"{name} has {len(values)} values but the model has {layers} layers; give one per layer "
+                           "or a single number for all.", parameters=name)
     return values
+
+
+def _check_layout_choice(activation: Any, shared_heads: Any, top_k: Any) -> None:
+    """Either ``activation`` or both ``shared_heads`` and ``top_k``."""
+    if (activation is None) == (shared_heads is None and top_k is None):
+        raise InvalidInput("give either activation or both shared_heads and top_k.",
+                           parameters=("activation", "shared_heads", "top_k"))
+    if activation is None and (shared_heads is None or top_k is None):
+        raise InvalidInput("shared_heads and top_k go together; give both.", parameters=("shared_heads", "top_k"))
+
+
+def _calibration_folder(calibration: str | os.PathLike) -> Path:
+    path = Path(calibration).expanduser()
+    if not path.is_dir():
+        raise InputNotFound(f"calibration {calibration}: no such folder (give an ImageFolder or a latent cache).",
+                           parameters="calibration")
+    return path
 
 
 def _preset_value(preset: str, key: str) -> Any:
@@ -197,14 +216,10 @@ def resolve_layout(dense: MoHDiTTransformer2DModel, activation: float | None = N
     else the upcycling rule's (:func:`~moh_dit.models.layout.upcycle_layout`, preset None;
     ValueError naming the reachable range outside it); or the given lists."""
     layers, heads = dense.config.num_layers, dense.layer_heads
-    if (activation is None) == (shared_heads is None and top_k is None):
-        raise ValueError("give either --activation (activation=) or both --shared-heads and --top-k "
-                         "(shared_heads=, top_k=).")
+    _check_layout_choice(activation, shared_heads, top_k)
     if activation is None:
-        if shared_heads is None or top_k is None:
-            raise ValueError("--shared-heads and --top-k (shared_heads=, top_k=) go together; give both.")
-        shared = _per_layer(shared_heads, layers, "--shared-heads")
-        k = _per_layer(top_k, layers, "--top-k")
+        shared = _per_layer(shared_heads, layers, "shared_heads")
+        k = _per_layer(top_k, layers, "top_k")
         HeadLayout.parse(layers, heads, shared, k)  # raises naming the bad layer
         return None, shared, k
     chosen = [name for name, (dense_name, act) in UPCYCLED_PRESETS.items()
@@ -231,13 +246,14 @@ def _dataset(model: MoHDiTTransformer2DModel, path: Path, vae: Any, seed: int):
     if (path / "index.json").is_file():
         data = LatentDataset(path, random_flip=False, seed=seed)
         if tuple(data.latent_shape) != (channels, size, size):
-            raise ValueError(f"--calibration-data {path}: latents of shape {tuple(data.latent_shape)}, but the model "
-                             f"takes {(channels, size, size)}.")
+            raise InvalidInput(f"calibration {path}: latents of shape {tuple(data.latent_shape)}, but the model "
+                               f"takes {(channels, size, size)}.", parameters="calibration")
         return data, None
     if vae is None:
         if channels != 3:
-            raise ValueError(f"--calibration-data {path} is an image folder and the model takes {channels}-channel "
-                             "latents: pass --vae (vae=) to encode the images, or give a latent cache.")
+            raise InvalidInput(f"calibration {path} is an image folder and the model takes {channels}-channel "
+                               "latents: give vae to encode the images, or a latent cache.",
+                               parameters=("calibration", "vae"))
         return ImageFolderDataset(path, size, random_flip=False, seed=seed), None
     vae = load_vae(vae) if isinstance(vae, (str, os.PathLike)) else vae
     return ImageFolderDataset(path, size * vae_downsample_factor(vae), random_flip=False, seed=seed), vae
@@ -251,11 +267,7 @@ def calibration_batches(model: MoHDiTTransformer2DModel, calibration: Any, num_b
     if isinstance(calibration, (list, tuple)) and calibration and isinstance(calibration[0], (list, tuple)):
         return [(x.float(), y.long()) for x, y in calibration][:num_batches]
     if isinstance(calibration, (str, os.PathLike)):
-        path = Path(calibration).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"--calibration-data {calibration}: no such folder (give an ImageFolder or a "
-                                    "latent cache).")
-        data, vae = _dataset(model, path, vae, seed)
+        data, vae = _dataset(model, _calibration_folder(calibration), vae, seed)
     else:
         data = calibration
     if len(data) == 0:
@@ -446,17 +458,15 @@ def _check_input(dense: MoHDiTTransformer2DModel, batches, seed: int, device) ->
 def _precheck(activation, shared_heads, top_k, calibration, heads: list[int] | None) -> None:
     """The checks that need no weights, before a (slow) checkpoint load; ``heads``: the dense
     model's heads per layer where they are known without loading it."""
-    if (activation is None) == (shared_heads is None and top_k is None):
-        raise ValueError("give either --activation (activation=) or both --shared-heads and --top-k "
-                         "(shared_heads=, top_k=).")
+    _check_layout_choice(activation, shared_heads, top_k)
     if activation is not None:
         if isinstance(activation, bool) or not isinstance(activation, (int, float)) or not 0 < activation <= 1:
-            raise ValueError(f"--activation must be a head activation in (0, 1] (1.0: every head), got {activation!r}.")
+            raise InvalidInput(f"activation must be in (0, 1] (1.0: every head active), got {activation!r}.",
+                               parameters="activation")
         if heads is not None:
             upcycle_layout(heads, float(activation))  # refuses a ratio outside the model's reachable range
-    if isinstance(calibration, (str, os.PathLike)) and not Path(calibration).expanduser().is_dir():
-        raise FileNotFoundError(f"--calibration-data {calibration}: no such folder (give an ImageFolder or a "
-                                "latent cache).")
+    if isinstance(calibration, (str, os.PathLike)):
+        _calibration_folder(calibration)
 
 
 def upcycle(dense_model_or_source: Any, activation: float | None = None, *, shared_heads=None, top_k=None,
@@ -476,9 +486,9 @@ def upcycle(dense_model_or_source: Any, activation: float | None = None, *, shar
     The measurements run on ``device`` (the dense model is moved there; the MoH model is
     returned there).
     """
-    for flag, value in (("--calibration-batches", calibration_batches_count), ("--batch-size", batch_size)):
+    for name, value in (("calibration_batches_count", calibration_batches_count), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{flag} must be an int >= 1, got {value!r}.")
+            raise InvalidInput(f"{name} must be an int >= 1, got {value!r}.", parameters=name)
     _precheck(activation, shared_heads, top_k, calibration, _source_heads(dense_model_or_source, preset))
     dense, name = load_dense(dense_model_or_source, preset, weights, sample_size, num_classes)
     dense = dense.to(device)
@@ -516,9 +526,9 @@ def check_output(output: str | os.PathLike, overwrite: bool = False) -> None:
     ``overwrite`` and it is empty or an earlier upcycled model (marked by moh-dit upcycle, or
     :func:`is_upcycled_folder`): nothing else is ever replaced. Run before any work."""
     output = Path(output)
-    check_folder_path(output, "--output-dir", "give a folder path (output=)", error=FileExistsError)
+    check_folder_path(output, "output", "give a folder path", error=FileExistsError)
     check_replaceable(output, overwrite, "upcycle", is_upcycled_folder,
-                      f"an upcycled model (a saved MoHDiTTransformer2DModel with {REPORT_FILE})")
+                      f"an upcycled model (a saved MoHDiTTransformer2DModel with {REPORT_FILE})", "output")
 
 
 def save_upcycled(model: MoHDiTTransformer2DModel, report: UpcycleReport, output: str | os.PathLike,
