@@ -8,6 +8,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
+from moh_dit.errors import InvalidInput
 from moh_dit.data.datasets import (
     CorruptImageError,
     ImageFolderDataset,
@@ -103,8 +104,9 @@ def test_corrupt_images_error_or_skip(folder):
     truncated.write_bytes(good.read_bytes()[:200])
     ds = ImageFolderDataset(folder, 16)
     bad_index = [p for p, _ in ds.samples].index(str(bad))
-    with pytest.raises(CorruptImageError, match="broken.png"):
+    with pytest.raises(CorruptImageError, match="broken.png") as error:
         ds[bad_index]
+    assert error.value.parameters == ("on_corrupt",)  # what would skip it
     trunc_index = [p for p, _ in ds.samples].index(str(truncated))
     with pytest.raises(CorruptImageError, match="truncated.png"):
         ds[trunc_index]
@@ -115,17 +117,20 @@ def test_corrupt_images_error_or_skip(folder):
     with pytest.warns(UserWarning):
         batch = collate_skip_corrupt([skip[i] for i in range(len(skip))])
     assert batch[0].shape == (len(skip) - 2, 3, 16, 16)
-    with pytest.raises(ValueError, match="on_corrupt"):
+    with pytest.raises(InvalidInput, match="'ignore'") as error:
         ImageFolderDataset(folder, 16, on_corrupt="ignore")
+    assert error.value.parameters == ("on_corrupt",)
 
 
 def test_empty_or_wrong_folders_fail_early(tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(InvalidInput, match="missing") as error:
         ImageFolderDataset(tmp_path / "missing", 16)
+    assert error.value.parameters == ("data_dir",)
     flat = tmp_path / "flat"
     _write_png(flat / "a.png")
-    with pytest.raises(ValueError, match="no class subfolders"):
+    with pytest.raises(InvalidInput, match="flat") as error:  # no class subfolders
         ImageFolderDataset(flat, 16)
+    assert error.value.parameters == ("data_dir",)
     partly = tmp_path / "partly"
     _write_png(partly / "cat" / "a.png")
     (partly / "dog").mkdir()

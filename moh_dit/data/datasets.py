@@ -381,7 +381,7 @@ class ImageFolderDataset(Dataset):
         on_corrupt: str = "error",
     ):
         if on_corrupt not in ON_CORRUPT:
-            raise ValueError(f"on_corrupt must be one of {ON_CORRUPT}, got {on_corrupt!r}")
+            raise InvalidInput(f"on_corrupt must be one of {ON_CORRUPT}, got {on_corrupt!r}", parameters="on_corrupt")
         if image_size < 1:
             raise ValueError(f"image_size must be positive, got {image_size}")
         self.root = str(root)
