@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
-from ..errors import FolderInUse
+from ..errors import FolderInUse, InvalidInput, OutputExists
 from .io import FileLockedError, LinkRefusedError, lock_file, write_json_atomic, write_lock_info
 
 __all__ = ["OUTPUT_MARKER", "OutputFolderBusyError", "check_folder_path", "check_outside_inputs",
@@ -77,24 +77,24 @@ def check_output_folder(path: Path, overwrite: bool, is_ours: Callable[[Path], b
     shown = f"{named}{str(path)!r}"
     if path.exists() or path.is_symlink():
         if not path.is_dir():
-            raise FileExistsError(f"{shown} exists and is not a folder; choose another {flag}")
+            raise OutputExists(f"{shown} exists and is not a folder; choose another {flag}", parameters=flag)
         if not overwrite:
-            raise FileExistsError(
-                f"{str(path)!r} already exists; delete it, choose another {flag} or pass --overwrite"
+            raise OutputExists(
+                f"{str(path)!r} already exists; delete it, choose another {flag} or pass --overwrite", parameters=flag
             )
         ours = is_package_output(path) or (is_ours is not None and is_ours(path))
         if not ours and any(path.iterdir()):
             # --overwrite replaces what this writer made; it never deletes an unrelated folder.
-            raise FileExistsError(
+            raise OutputExists(
                 f"--overwrite would replace {str(path)!r}, which is not {what}; choose another {flag}, "
-                "or delete it yourself"
+                "or delete it yourself", parameters=flag
             )
     # Missing parent folders are created when the work starts; a file in their place cannot be.
     ancestor = path.absolute().parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise FileExistsError(f"cannot create {shown}: {str(ancestor)!r} is a file")
+        raise OutputExists(f"cannot create {shown}: {str(ancestor)!r} is a file", parameters=flag)
 
 
 def check_folder_path(path: str | os.PathLike, what: str, advice: str = "give a folder",
@@ -106,7 +106,8 @@ def check_folder_path(path: str | os.PathLike, what: str, advice: str = "give a 
         if folder.exists():
             if not folder.is_dir():
                 where = "is a file" if folder == path else f"lies under {folder}, which is a file"
-                raise error(f"{what} {path} {where}; {advice}.")
+                error = {FileExistsError: OutputExists, ValueError: InvalidInput}.get(error, error)
+                raise error(f"{what} {path} {where}; {advice}.", parameters=what)
             return
 
 
@@ -127,8 +128,8 @@ def check_outside_inputs(output: str | os.PathLike, inputs: Mapping[str, str | o
         src = Path(source).resolve()
         if _inside(out, src) or _inside(src, out):
             where = "is" if out == src else ("lies inside" if _inside(out, src) else "contains")
-            raise ValueError(f"{output_flag} {output} {where} {flag} {source}: a command never writes into what it "
-                             f"reads; choose an {output_flag} outside {flag}.")
+            raise InvalidInput(f"{output_flag} {output} {where} {flag} {source}: a command never writes into what it "
+                               f"reads; choose an {output_flag} outside {flag}.", parameters=(output_flag, flag))
 
 
 def lock_path(folder: str | os.PathLike) -> Path:
