@@ -16,6 +16,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from moh_dit.errors import InvalidInput
+
 __all__ = ["LabelIndex", "imagenet_id2label", "resolve_id2label"]
 
 
@@ -40,9 +42,10 @@ def resolve_id2label(id2label: dict[Any, str] | None, transformer_config) -> dic
         try:
             class_id = int(key)
         except (TypeError, ValueError):
-            raise ValueError(f"id2label keys must be class ids; got {key!r}.") from None
+            raise InvalidInput(f"id2label keys must be class ids; got {key!r}.", parameters="id2label") from None
         if not 0 <= class_id < num_classes:
-            raise ValueError(f"id2label has id {class_id}, outside [0, {num_classes - 1}] of this model.")
+            raise InvalidInput(f"id2label has id {class_id}, outside [0, {num_classes - 1}] of this model.",
+                               parameters="id2label")
         table[class_id] = str(name)
     return table
 
@@ -83,12 +86,12 @@ class LabelIndex:
 
         Nested lists, tensors and arrays are flattened in order, as diffusers' DiTPipeline does
         (``[[1], [2]]`` is ``[1, 2]``). The null class id (``num_classes``) is accepted and gives
-        unconditional samples. Raises ValueError for an unknown name (with close names), an
+        unconditional samples. Raises InvalidInput (class_labels) for an unknown name (with close names), an
         ambiguous one, an id out of range, or an empty list.
         """
         label = list(_flatten(label))
         if not label:
-            raise ValueError("class_labels is empty: pass at least one class id or name.")
+            raise InvalidInput("class_labels is empty: pass at least one class id or name.", parameters="class_labels")
         ids = []
         for item in label:
             if isinstance(item, np.generic):
@@ -97,29 +100,32 @@ class LabelIndex:
                 ids.append(self.lookup(item, num_classes))
             elif isinstance(item, numbers.Integral) and not isinstance(item, bool):
                 if not 0 <= int(item) <= num_classes:
-                    raise ValueError(
+                    raise InvalidInput(
                         f"class id {int(item)} is out of range: this model has classes 0..{num_classes - 1} "
-                        f"(and {num_classes}, the null class, for unconditional samples)."
+                        f"(and {num_classes}, the null class, for unconditional samples).", parameters="class_labels",
                     )
                 ids.append(int(item))
             else:
-                raise ValueError(f"class labels must be int ids or names; got {item!r} ({type(item).__name__}).")
+                raise InvalidInput(f"class labels must be int ids or names; got {item!r} ({type(item).__name__}).",
+                                   parameters="class_labels")
         return ids
 
     def lookup(self, name: str, num_classes: int) -> int:
         """The class id of one name; ``num_classes`` only phrases the error of a table without names."""
         if not self._exact:
-            raise ValueError(
+            raise InvalidInput(
                 f"Class name {name!r} given but this pipeline has no class names (id2label); pass class ids "
-                f"0..{num_classes - 1} or build the pipeline with id2label=..."
+                f"0..{num_classes - 1} or build the pipeline with id2label=...", parameters="class_labels",
             )
         key = name.strip()
         ids = self._exact.get(key) or self._folded.get(key.casefold())
         if not ids:
             close = difflib.get_close_matches(key.casefold(), list(self._folded), n=5, cutoff=0.6)
             hint = f" Did you mean: {', '.join(repr(self._spelling[c]) for c in close)}?" if close else ""
-            raise ValueError(f"Unknown class name {name!r}.{hint} See `pipe.labels` for all names.")
+            raise InvalidInput(f"Unknown class name {name!r}.{hint} See `pipe.labels` for all names.",
+                               parameters="class_labels")
         if len(ids) > 1:
             options = ", ".join(f"{i} ({self.id2label[i]!r})" for i in sorted(ids))
-            raise ValueError(f"Class name {name!r} is ambiguous: {options}. Use the exact spelling or the id.")
+            raise InvalidInput(f"Class name {name!r} is ambiguous: {options}. Use the exact spelling or the id.",
+                               parameters="class_labels")
         return next(iter(ids))

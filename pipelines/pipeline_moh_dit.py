@@ -56,6 +56,7 @@ from diffusers.utils.torch_utils import randn_tensor
 # make_scheduler, imagenet_id2label and NonFiniteLatentsError are also imported from here by scripts
 # and user code; they are defined in the modules they belong to.
 from moh_dit.diffusion.schedulers import eps_only_config, make_scheduler, scheduler_takes_variance
+from moh_dit.errors import InvalidInput
 from moh_dit.hub.export_format import load_export_components, read_export_index, write_loader_file
 from moh_dit.models.flops import model_attention_flops
 from moh_dit.models.head_activation import head_activation
@@ -93,6 +94,16 @@ def _real(value: Any) -> float | None:
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
     return None
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _require(ok: bool, parameters: str | tuple[str, ...], message: str) -> None:
+    """Raise :class:`~moh_dit.errors.InvalidInput` with ``message``, which names ``parameters``, unless ``ok``."""
+    if not ok:
+        raise InvalidInput(message, parameters=parameters)
 
 
 @dataclass
@@ -225,14 +236,11 @@ class MoHDiTPipeline(DiffusionPipeline, MoHDiTLoraLoaderMixin):
         super().__init__()
         channels = transformer.config.in_channels
         if vae is not None and vae.config.latent_channels != channels:
-            raise ValueError(
-                f"The VAE has {vae.config.latent_channels} latent channels but the transformer takes in_channels={channels}."
-            )
-        if vae is None and channels not in (1, 3):
-            raise ValueError(
-                f"The transformer takes {channels}-channel inputs, so it is a latent model: pass its VAE "
-                "(e.g. AutoencoderKL.from_pretrained('stabilityai/sd-vae-ft-ema')). Pixel-space models have 1 or 3 channels."
-            )
+            raise InvalidInput(f"The VAE has {vae.config.latent_channels} latent channels but the transformer takes "
+                               f"in_channels={channels}.", parameters="vae")
+        _require(vae is not None or channels in (1, 3), "vae", f"The transformer takes {channels}-channel inputs, so it is "
+                 "a latent model: pass its VAE (e.g. AutoencoderKL.from_pretrained('stabilityai/sd-vae-ft-ema')). "
+                 "Pixel-space models have 1 or 3 channels.")
         self.register_modules(transformer=transformer, scheduler=scheduler, vae=vae)
         table = resolve_id2label(id2label, transformer.config)
         # JSON keys are strings; store them that way so a reloaded config equals the saved one.
@@ -325,7 +333,7 @@ class MoHDiTPipeline(DiffusionPipeline, MoHDiTLoraLoaderMixin):
         class_labels: int | str | Sequence[int | str] | torch.Tensor,
         guidance_scale: float,
         num_inference_steps: int | None,
-        head_activation_ratio: float | None = None,
+        head_activation_ratio: Any = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
         seeds: Sequence[int] | None = None,
         latents: torch.Tensor | None = None,
@@ -334,57 +342,48 @@ class MoHDiTPipeline(DiffusionPipeline, MoHDiTLoraLoaderMixin):
         eta: float = 0.0,
         output_type: str = "pil",
         callback_on_step_end_tensor_inputs: Sequence[str] | None = None,
-    ) -> None:
-        """Validate a ``__call__``'s arguments against this pipeline's model and scheduler
-        (diffusers' ``check_inputs`` convention); raises ValueError naming the bad value.
+    ) -> HeadActivationPlan | None:
+        """Check a ``__call__``'s arguments against this pipeline's model and scheduler, running
+        nothing (diffusers' ``check_inputs``): :class:`~moh_dit.errors.InvalidInput` names the
+        parameter (``parameters``), so that a command can show it as its flag.
 
-        Called first by ``__call__``, and usable before any work (``moh-dit sample`` checks
-        its settings with it before it writes anything). Nothing runs on the model.
+        The one check of a call's inputs: ``__call__`` makes it first, and ``moh-dit sample`` once
+        before it writes anything. Returns what a head-activation schedule realises on the call's
+        steps (every step's ratio checked), the plan ``__call__`` then runs; None for one ratio.
         """
-        ids = self.get_label_ids(class_labels)
-        batch = len(ids)
-        null = self.transformer.config.num_classes
-        scale = _real(guidance_scale)
+        batch = len(self.get_label_ids(class_labels))
+        scale, eta_value = _real(guidance_scale), _real(eta)
         # inf would make every latent NaN (inf * 0 in the guided difference): black images.
-        if scale is None or not math.isfinite(scale) or scale < 1.0:
-            raise ValueError(
-                f"guidance_scale={guidance_scale!r} must be a finite number >= 1 (1 = no guidance). For "
-                f"unconditional samples pass the null class id {null}."
-            )
-        if guidance_channels not in GUIDANCE_CHANNELS:
-            raise ValueError(f"guidance_channels={guidance_channels!r}; choose one of {GUIDANCE_CHANNELS}.")
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"output_type={output_type!r}; choose one of {OUTPUT_TYPES}.")
-        unknown = [k for k in callback_on_step_end_tensor_inputs or () if k not in self._callback_tensor_inputs]
-        if unknown:
-            raise ValueError(f"callback_on_step_end_tensor_inputs has {unknown}; choose from {self._callback_tensor_inputs}.")
-        self._check_steps(num_inference_steps, timesteps)
-        eta_value = _real(eta)
+        _require(scale is not None and math.isfinite(scale) and scale >= 1, "guidance_scale",
+                 f"guidance_scale={guidance_scale!r} must be a finite number >= 1 (1 = no guidance; the null class "
+                 f"id {self.transformer.config.num_classes} gives unconditional samples).")
         # DDIM's sigma grows with eta; past 1 the direction term's square root goes negative.
-        if eta_value is None or not 0.0 <= eta_value <= 1.0:
-            raise ValueError(f"eta={eta!r} must be a number in [0, 1] (DDIM's eta; 0 = deterministic).")
+        _require(eta_value is not None and 0 <= eta_value <= 1, "eta",
+                 f"eta={eta!r} must be a number in [0, 1] (DDIM's eta; 0 = deterministic).")
+        _require(guidance_channels in GUIDANCE_CHANNELS, "guidance_channels",
+                 f"guidance_channels={guidance_channels!r}; choose one of {GUIDANCE_CHANNELS}.")
+        _require(output_type in OUTPUT_TYPES, "output_type", f"output_type={output_type!r}; choose one of {OUTPUT_TYPES}.")
+        unknown = [k for k in callback_on_step_end_tensor_inputs or () if k not in self._callback_tensor_inputs]
+        _require(not unknown, "callback_on_step_end_tensor_inputs", f"callback_on_step_end_tensor_inputs has {unknown}; "
+                 f"choose from {self._callback_tensor_inputs}.")
         self._check_randomness(batch, generator, seeds)
-        channels, size = self.transformer.config.in_channels, self.transformer.config.sample_size
         if latents is not None:
-            if not torch.is_tensor(latents):
-                raise ValueError(f"latents must be a tensor; got {type(latents).__name__}.")
-            if tuple(latents.shape) != (batch, channels, size, size):
-                raise ValueError(f"latents must have shape {(batch, channels, size, size)}; got {tuple(latents.shape)}.")
+            size = self.transformer.config.sample_size
+            shape, got = (batch, self.transformer.config.in_channels, size, size), getattr(latents, "shape", None)
+            _require(torch.is_tensor(latents) and tuple(got) == shape, "latents",
+                     f"latents must be a tensor of shape {shape}; got {type(latents).__name__} {got}.")
             # One host sync before the loop, not per step.
-            if not bool(torch.isfinite(latents).all()):
-                raise ValueError("latents hold NaN or inf; pass finite initial noise.")
+            _require(bool(torch.isfinite(latents).all()), "latents", "latents hold NaN or inf; pass finite initial noise.")
         self._takes_variance()  # a scheduler that cannot sample this model
+        self._check_steps(num_inference_steps, timesteps)
         if _is_schedule(head_activation_ratio):
-            # every step's ratio within the model's range, on the timesteps this call will run
-            self.head_activation_plan(head_activation_ratio, num_inference_steps, timesteps)
-        elif head_activation_ratio is not None:
-            ratio = _real(head_activation_ratio)
-            low, high = self.transformer.head_activation_range
-            if ratio is None or not math.isfinite(ratio) or not low - 1e-9 <= ratio <= high + 1e-9:
-                raise ValueError(
-                    f"head_activation_ratio={head_activation_ratio} is outside this model's reachable range "
-                    f"[{low:.4f}, {high:.4f}]."
-                )
+            return self._plan(head_activation_ratio, self.sampling_timesteps(num_inference_steps, timesteps))
+        if head_activation_ratio is not None:
+            ratio, (low, high) = _real(head_activation_ratio), self.transformer.head_activation_range
+            _require(ratio is not None and math.isfinite(ratio) and low - 1e-9 <= ratio <= high + 1e-9,
+                     "head_activation_ratio", f"head_activation_ratio={head_activation_ratio!r} is outside this model's "
+                     f"reachable range [{low:.4f}, {high:.4f}].")
+        return None
 
     def head_activation_plan(
         self,
@@ -396,23 +395,29 @@ class MoHDiTPipeline(DiffusionPipeline, MoHDiTLoraLoaderMixin):
         over the trajectory of ``num_inference_steps`` (or ``timesteps``) with this pipeline's
         scheduler: per step the requested and realised ratio, the per-layer top-K and the attention
         FLOPs (:class:`~moh_dit.models.head_schedule.HeadActivationPlan`). Nothing runs on the model
-        and the model and scheduler are left as they were; ValueError names the first step whose
-        ratio is out of the model's reachable range."""
+        and the model and scheduler are left as they were; InvalidInput names the parameter (for a
+        step out of the model's reachable range, the first such step)."""
         self._check_steps(num_inference_steps, timesteps)
         if head_activation_ratio is None:
-            schedule = HeadActivationSchedule.constant(self.transformer.head_activation_ratio)
-        elif _is_schedule(head_activation_ratio):
-            schedule = as_schedule(head_activation_ratio)
-        else:
+            head_activation_ratio = HeadActivationSchedule.constant(self.transformer.head_activation_ratio)
+        elif not _is_schedule(head_activation_ratio):
             ratio = _real(head_activation_ratio)
-            if ratio is None:
-                raise ValueError(f"head_activation_ratio={head_activation_ratio!r} is not a number or a schedule.")
-            schedule = HeadActivationSchedule(f"{ratio:g}", lambda i, t, n: ratio)  # the plan checks its range
-        return plan_head_activation(self.transformer, schedule, self.sampling_timesteps(num_inference_steps, timesteps))
+            _require(ratio is not None, "head_activation_ratio",
+                     f"head_activation_ratio={head_activation_ratio!r} is not a number or a schedule.")
+            head_activation_ratio = HeadActivationSchedule(f"{ratio:g}", lambda i, t, n: ratio)  # range checked per step
+        return self._plan(head_activation_ratio, self.sampling_timesteps(num_inference_steps, timesteps))
+
+    def _plan(self, head_activation_ratio: Any, timesteps: Sequence[int]) -> HeadActivationPlan:
+        """``plan_head_activation`` of a schedule (as ``__call__`` takes it) over ``timesteps``; what
+        is wrong with it (a step out of the model's range, a rule that gives no number) names the parameter."""
+        try:
+            return plan_head_activation(self.transformer, as_schedule(head_activation_ratio), timesteps)
+        except ValueError as err:
+            raise InvalidInput(f"head_activation_ratio: {err}", parameters="head_activation_ratio") from err
 
     def sampling_timesteps(self, num_inference_steps: int | None, timesteps: Sequence[int] | None) -> torch.Tensor:
-        """The timesteps a call with these arguments runs, from a copy of the scheduler (whose
-        ``set_timesteps`` is left for the call itself)."""
+        """The timesteps a call with these (checked) arguments runs, from a copy of the scheduler
+        (whose ``set_timesteps`` is left for the call itself)."""
         scheduler = copy.deepcopy(self.scheduler)
         if timesteps is None:
             scheduler.set_timesteps(num_inference_steps)
@@ -424,41 +429,33 @@ class MoHDiTPipeline(DiffusionPipeline, MoHDiTLoraLoaderMixin):
         """``num_inference_steps`` (or the explicit ``timesteps``) within the model's diffusion steps."""
         train_steps = int(getattr(self.scheduler.config, "num_train_timesteps", 1000))
         if timesteps is None:
-            if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, numbers.Integral) \
-                    or num_inference_steps < 1:
-                raise ValueError(f"num_inference_steps must be a positive int; got {num_inference_steps!r}.")
-            if num_inference_steps > train_steps:
-                raise ValueError(
-                    f"num_inference_steps={num_inference_steps} is more than the {train_steps} diffusion steps the "
-                    f"model was trained with; use 1..{train_steps}."
-                )
+            _require(_is_integer(num_inference_steps) and num_inference_steps >= 1, "num_inference_steps",
+                     f"num_inference_steps must be a positive int; got {num_inference_steps!r}.")
+            _require(num_inference_steps <= train_steps, "num_inference_steps",
+                     f"num_inference_steps={num_inference_steps} is more than the {train_steps} diffusion steps the "
+                     f"model was trained with; use 1..{train_steps}.")
             return
-        if "timesteps" not in inspect.signature(self.scheduler.set_timesteps).parameters:
-            raise ValueError(f"{type(self.scheduler).__name__} does not accept custom timesteps; use num_inference_steps.")
-        steps = list(timesteps.tolist() if torch.is_tensor(timesteps) or isinstance(timesteps, np.ndarray) else timesteps)
-        if not steps or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in steps):
-            raise ValueError(f"timesteps must be a non-empty list of ints; got {timesteps!r}.")
-        if not all(0 <= t < train_steps for t in steps) or any(a <= b for a, b in zip(steps, steps[1:])):
-            raise ValueError(
-                f"timesteps must be strictly descending ints in [0, {train_steps - 1}] (the model's diffusion "
-                f"steps); got {steps[:8]}{' ...' if len(steps) > 8 else ''}."
-            )
+        _require("timesteps" in inspect.signature(self.scheduler.set_timesteps).parameters, "timesteps",
+                 f"{type(self.scheduler).__name__} does not accept custom timesteps; use num_inference_steps.")
+        steps = list(timesteps.tolist() if hasattr(timesteps, "tolist") else timesteps)
+        _require(bool(steps) and all(_is_integer(t) and 0 <= t < train_steps for t in steps)
+                 and all(a > b for a, b in zip(steps, steps[1:])), "timesteps",
+                 f"timesteps must be a non-empty list of strictly descending ints in [0, {train_steps - 1}] (the "
+                 f"model's diffusion steps); got {steps[:8]}{' ...' if len(steps) > 8 else ''}.")
 
     @staticmethod
     def _check_randomness(batch: int, generator, seeds: Sequence[int] | None) -> None:
         """One seed (or one generator, when a list is given) per image; seeds in torch's range."""
         if seeds is not None:
-            if generator is not None:
-                raise ValueError("Pass either `seeds` or `generator`, not both.")
-            seeds = list(seeds)
-            low, high = SEED_RANGE
-            for seed in seeds:
-                if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not low <= int(seed) <= high:
-                    raise ValueError(f"seeds must be ints in [{low}, {high}] (torch.Generator's range); got {seed!r}.")
-            if len(seeds) != batch:
-                raise ValueError(f"Got {len(seeds)} seeds for {batch} class labels; give one seed per image.")
-        if isinstance(generator, list) and len(generator) != batch:
-            raise ValueError(f"Got a list of {len(generator)} generators for {batch} class labels; give one per image.")
+            _require(generator is None, ("seeds", "generator"), "Pass either seeds or generator, not both.")
+            seeds, (low, high) = list(seeds), SEED_RANGE
+            bad = [seed for seed in seeds if not (_is_integer(seed) and low <= seed <= high)]
+            _require(not bad, "seeds", f"seeds must be ints in [{low}, {high}] (torch.Generator's range); got {bad[:3]}.")
+            _require(len(seeds) == batch, "seeds",
+                     f"seeds has {len(seeds)} seeds for {batch} class labels; give one seed per image.")
+        if isinstance(generator, list):
+            _require(len(generator) == batch, "generator",
+                     f"generator is a list of {len(generator)} for {batch} class labels; give one per image.")
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Final latents -> images in [-1, 1] (B, C, H, W); the identity for pixel-space models."""
@@ -542,7 +539,7 @@ class MoHDiTPipeline(DiffusionPipeline, MoHDiTLoraLoaderMixin):
             callback_on_step_end_tensor_inputs: names from ``_callback_tensor_inputs``.
 
         Raises:
-            ValueError: a bad argument (see :meth:`check_inputs`), before any compute.
+            InvalidInput: (a ValueError) a bad argument, named (see :meth:`check_inputs`), before any compute.
             NonFiniteLatentsError: (a ValueError) the latents became NaN/inf; the message names
                 the first bad step and its timestep. Checked at every step on the CPU, and on
                 accelerators through a flag kept on the device and read once after the loop,
@@ -550,7 +547,7 @@ class MoHDiTPipeline(DiffusionPipeline, MoHDiTLoraLoaderMixin):
         """
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
-        self.check_inputs(
+        plan = self.check_inputs(  # a schedule's plan, made once
             class_labels, guidance_scale, num_inference_steps, head_activation_ratio=head_activation_ratio,
             generator=generator, seeds=seeds, latents=latents, guidance_channels=guidance_channels,
             timesteps=timesteps, eta=eta, output_type=output_type,
@@ -568,9 +565,8 @@ class MoHDiTPipeline(DiffusionPipeline, MoHDiTLoraLoaderMixin):
             self.scheduler.set_timesteps(timesteps=[int(t) for t in timesteps])
         self._num_timesteps = len(self.scheduler.timesteps)
         x = self._initial_latents(len(run.ids), generator, latents)
-        scheduled = _is_schedule(head_activation_ratio)
-        if scheduled:
-            plan = plan_head_activation(self.transformer, as_schedule(head_activation_ratio), self.scheduler.timesteps)
+        scheduled = plan is not None
+        if scheduled:  # planned by check_inputs on these timesteps
             run.step_ratios = plan.requested
         with self._sampling_state(None if scheduled else head_activation_ratio, run.use_variance) as realised:
             x, head_usage, watch = self._denoise(run, x)

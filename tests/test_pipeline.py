@@ -14,6 +14,8 @@ from diffusers import (AutoencoderKL, DDIMScheduler, DDPMScheduler, DPMSolverMul
 from diffusers.callbacks import PipelineCallback
 
 from moh_dit import MoHDiTPipeline, MoHDiTPipelineOutput, MoHDiTTransformer2DModel
+from moh_dit.errors import InvalidInput
+from moh_dit.models.head_schedule import plan_head_activation
 from moh_dit.diffusion.gaussian_diffusion import create_diffusion, space_timesteps
 from moh_dit.pipelines.pipeline_moh_dit import imagenet_id2label, make_scheduler
 
@@ -318,57 +320,98 @@ def test_imagenet_names_by_default(randomize, tiny_pipe):
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "kwargs, parameter, fact",
     [
-        (dict(class_labels=["kat"]), r"Unknown class name 'kat'\. Did you mean: 'cat'"),
-        (dict(class_labels=[11]), r"class id 11 is out of range.*0\.\.9.*10, the null class"),
-        (dict(class_labels=[-1]), "class id -1 is out of range"),
-        (dict(class_labels=[]), "class_labels is empty"),
-        (dict(class_labels=[1.5]), "must be int ids or names"),
-        (dict(class_labels=[1], head_activation_ratio=0.1), r"head_activation_ratio=0.1 is outside .*\[0\.5000, 1\.0000\]"),
-        (dict(class_labels=[1], guidance_scale=0.5), "guidance_scale=0.5 must be a finite number >= 1"),
+        (dict(class_labels=["kat"]), "class_labels", "'cat'"),  # the close name is suggested
+        (dict(class_labels=[11]), "class_labels", "0..9"),
+        (dict(class_labels=[-1]), "class_labels", "-1"),
+        (dict(class_labels=[]), "class_labels", "empty"),
+        (dict(class_labels=[1.5]), "class_labels", "1.5"),
+        (dict(class_labels=[1], head_activation_ratio=0.1), "head_activation_ratio", "[0.5000, 1.0000]"),
+        (dict(class_labels=[1], head_activation_ratio=float("nan")), "head_activation_ratio", "nan"),
+        (dict(class_labels=[1], head_activation_ratio="linear:0.1:1"), "head_activation_ratio", "0.1000 at step 0"),
+        (dict(class_labels=[1], head_activation_ratio=[1.0, 0.5]), "head_activation_ratio", "2 per-step ratios"),
+        (dict(class_labels=[1], guidance_scale=0.5), "guidance_scale", "0.5"),
         # inf used to sample to all-NaN latents, returned as black images.
-        (dict(class_labels=[1], guidance_scale=float("inf")), "guidance_scale=inf must be a finite number >= 1"),
-        (dict(class_labels=[1], guidance_scale=float("nan")), "guidance_scale=nan must be a finite number"),
-        (dict(class_labels=[1], guidance_scale="2"), "guidance_scale='2' must be a finite number"),
-        (dict(class_labels=[1], num_inference_steps=0), "num_inference_steps must be a positive int; got 0"),
-        (dict(class_labels=[1], num_inference_steps=1001), "num_inference_steps=1001 is more than the 1000"),
-        (dict(class_labels=[1], timesteps=[500, 999], num_inference_steps=None), "strictly descending"),
-        (dict(class_labels=[1], timesteps=[1000, 5], num_inference_steps=None), r"in \[0, 999\]"),
-        (dict(class_labels=[1], timesteps=[], num_inference_steps=None), "non-empty list of ints"),
-        (dict(class_labels=[1], eta=float("nan")), r"eta=nan must be a number in \[0, 1\]"),
-        (dict(class_labels=[1], eta=1.5), r"eta=1.5 must be a number in \[0, 1\]"),
-        (dict(class_labels=[1], seeds=[1.5]), "seeds must be ints"),
-        (dict(class_labels=[1], seeds=[2**64]), "seeds must be ints"),
-        (dict(class_labels=[1], head_activation_ratio=float("nan")), "head_activation_ratio=nan is outside"),
-        (dict(class_labels=[1], latents=torch.full((1, 3, 8, 8), float("nan"))), "latents hold NaN or inf"),
-        (dict(class_labels=[1], guidance_channels="first3"), "guidance_channels='first3'"),
-        (dict(class_labels=[1, 2], seeds=[0]), "Got 1 seeds for 2 class labels"),
-        (dict(class_labels=[1], seeds=[0], generator=torch.Generator()), "either `seeds` or `generator`"),
-        (dict(class_labels=[1], output_type="jpg"), "output_type='jpg'"),
-        (dict(class_labels=[1], latents=torch.zeros(1, 3, 4, 4)), r"latents must have shape \(1, 3, 8, 8\)"),
-        (dict(class_labels=[1], timesteps=[999, 500, 0], num_inference_steps=None), None),
+        (dict(class_labels=[1], guidance_scale=float("inf")), "guidance_scale", "inf"),
+        (dict(class_labels=[1], guidance_scale=float("nan")), "guidance_scale", "nan"),
+        (dict(class_labels=[1], guidance_scale="2"), "guidance_scale", "'2'"),
+        (dict(class_labels=[1], num_inference_steps=0), "num_inference_steps", "got 0"),
+        (dict(class_labels=[1], num_inference_steps=1001), "num_inference_steps", "1..1000"),
+        (dict(class_labels=[1], num_inference_steps=2.0), "num_inference_steps", "2.0"),
+        (dict(class_labels=[1], timesteps=[500, 999], num_inference_steps=None), "timesteps", "[500, 999]"),
+        (dict(class_labels=[1], timesteps=[1000, 5], num_inference_steps=None), "timesteps", "[0, 999]"),
+        (dict(class_labels=[1], timesteps=[], num_inference_steps=None), "timesteps", "[]"),
+        (dict(class_labels=[1], eta=float("nan")), "eta", "nan"),
+        (dict(class_labels=[1], eta=1.5), "eta", "1.5"),
+        (dict(class_labels=[1], seeds=[1.5]), "seeds", "1.5"),
+        (dict(class_labels=[1], seeds=[2**64]), "seeds", str(2**64)),
+        (dict(class_labels=[1], latents=torch.full((1, 3, 8, 8), float("nan"))), "latents", "NaN"),
+        (dict(class_labels=[1], guidance_channels="first3"), "guidance_channels", "'first3'"),
+        (dict(class_labels=[1, 2], seeds=[0]), "seeds", "2 class labels"),
+        (dict(class_labels=[1], seeds=[0], generator=torch.Generator()), "generator", "seeds"),
+        (dict(class_labels=[1, 2], generator=[torch.Generator()]), "generator", "2 class labels"),
+        (dict(class_labels=[1], output_type="jpg"), "output_type", "'jpg'"),
+        (dict(class_labels=[1], latents=torch.zeros(1, 3, 4, 4)), "latents", "(1, 3, 8, 8)"),
+        (dict(class_labels=[1], timesteps=[999, 500, 0], num_inference_steps=None), "timesteps", "DDIMScheduler"),
     ],
 )
-def test_bad_input_raises_before_compute(kwargs, message, tiny_pipe):
+def test_bad_input_raises_before_compute(kwargs, parameter, fact, tiny_pipe):
+    """Every bad argument is refused by check_inputs before any compute: an InvalidInput (a
+    ValueError) whose ``parameters`` name it, and whose message holds the value or limit."""
     pipe = tiny_pipe(class_names=NAMES)
-    if message is None:  # custom timesteps: fine for DDPM, refused by DDIM
+    if fact == "DDIMScheduler":  # custom timesteps: fine for DDPM, refused by DDIM
         pipe.scheduler = make_scheduler("ddim")
-        message = "DDIMScheduler does not accept custom timesteps"
     calls = count_forward(pipe.transformer)
     before = pipe.transformer.top_k_per_layer
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InvalidInput) as caught:
         pipe(**{"num_inference_steps": STEPS, **kwargs})
+    assert parameter in caught.value.parameters and fact in str(caught.value), (caught.value.parameters, caught.value)
     assert not calls and pipe.transformer.top_k_per_layer == before
 
 
-def test_check_inputs_is_callable_alone(tiny_pipe):
+def test_a_python_caller_reads_parameters_and_a_command_its_flags(tiny_pipe, load_script, tmp_path, capsys):
+    """The library names the parameter (never a flag); moh-dit sample shows the same check of the
+    same value with its flag."""
+    pipe = tiny_pipe()
+    for kwargs, parameter in ((dict(num_inference_steps=5000), "num_inference_steps"),
+                              (dict(head_activation_ratio=0.2), "head_activation_ratio")):
+        with pytest.raises(InvalidInput) as caught:
+            pipe([1], **kwargs)
+        assert parameter in str(caught.value) and "--" not in str(caught.value)
+    pipe.transformer.save_pretrained(tmp_path / "model")
+    base = ["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "out"), "--num-samples", "1"]
+    for flag, value, parameter in (("--num-inference-steps", "5000", "num_inference_steps"),
+                                   ("--head-activation-ratio", "0.2", "head_activation_ratio")):
+        assert load_script("sample").cli(base + [flag, value]) == 1
+        err = capsys.readouterr().err
+        assert f"{flag}={value}" in err and parameter not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_inputs_is_callable_alone_and_its_plan_is_the_calls(tiny_pipe, monkeypatch):
+    """check_inputs runs nothing; for a schedule it returns the plan, and a call plans (and
+    copies the scheduler) once, in its check."""
+    import moh_dit.pipelines.pipeline_moh_dit as module
+
     pipe = tiny_pipe()
     calls = count_forward(pipe.transformer)
-    pipe.check_inputs([1, 2], 1.5, 250, head_activation_ratio=0.6, seeds=[0, 1])  # valid: no error, no compute
-    with pytest.raises(ValueError, match="guidance_scale=inf"):
+    assert pipe.check_inputs([1, 2], 1.5, 250, head_activation_ratio=0.6, seeds=[0, 1]) is None  # valid, one ratio
+    plan = pipe.check_inputs([1], 1.5, 4, head_activation_ratio="linear:0.5:1.0")
+    assert plan.requested == pytest.approx([0.5, 2 / 3, 5 / 6, 1.0]) and plan.timesteps == [999, 666, 333, 0]
+    with pytest.raises(InvalidInput) as caught:
         pipe.check_inputs([1], float("inf"), 2)
+    assert caught.value.parameters == ("guidance_scale",)
     assert not calls
+    planned, copied = [], []
+    monkeypatch.setattr(module, "plan_head_activation",
+                        lambda *a: planned.append(1) or plan_head_activation(*a))
+    deepcopy = module.copy.deepcopy
+    monkeypatch.setattr(module.copy, "deepcopy", lambda x, *a: copied.append(type(x).__name__) or deepcopy(x, *a))
+    out = pipe([1], guidance_scale=1.5, num_inference_steps=4, head_activation_ratio="linear:0.5:1.0", seeds=[0],
+               output_type="latent")
+    assert len(planned) == 1 and [name for name in copied if name.endswith("Scheduler")] == ["DDPMScheduler"]
+    assert out.head_activation_ratios == plan.realised
 
 
 def test_non_finite_latents_name_the_step(tiny_pipe):
@@ -440,11 +483,13 @@ def test_scheduler_model_mismatch_rejected(randomize):
 
 def test_constructor_checks(randomize, tiny_pipe):
     latent_model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, in_channels=4))
-    with pytest.raises(ValueError, match="latent model: pass its VAE"):
+    with pytest.raises(InvalidInput) as caught:  # a latent model without its VAE
         MoHDiTPipeline(transformer=latent_model, scheduler=make_scheduler())
-    with pytest.raises(ValueError, match="id 10, outside"):
+    assert caught.value.parameters == ("vae",) and "4-channel" in str(caught.value)
+    with pytest.raises(InvalidInput) as caught:
         tiny_pipe().__class__(transformer=tiny_pipe().transformer, scheduler=make_scheduler(),
                                        id2label={10: "x"})
+    assert caught.value.parameters == ("id2label",) and "id 10" in str(caught.value)
 
 
 # ---------------------------------------------------------------- diffusers conventions
@@ -536,8 +581,9 @@ def test_callback_on_step_end(tiny_pipe):
 
     assert (pipe([1, 2], callback_on_step_end=Zero(), **kwargs).images == 0).all()
     forward = count_forward(pipe.transformer)
-    with pytest.raises(ValueError, match=r"callback_on_step_end_tensor_inputs has \['noise'\]; choose from \['latents'\]"):
+    with pytest.raises(InvalidInput) as caught:
         pipe([1, 2], callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents", "noise"], **kwargs)
+    assert caught.value.parameters == ("callback_on_step_end_tensor_inputs",) and "'noise'" in str(caught.value)
     assert not forward
 
 

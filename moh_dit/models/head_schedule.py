@@ -31,6 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ..errors import InvalidInput
 from .flops import model_attention_flops
 from .head_activation import HeadActivated, preview_head_activation
 
@@ -81,7 +82,7 @@ class HeadActivationSchedule:
     def ratio_at(self, step_index: int, timestep: int | float, num_steps: int) -> float:
         """The ratio step ``step_index`` (of ``num_steps``, at ``timestep``) asks for.
 
-        Raises ValueError naming the step when the rule gives something other than a real number."""
+        Raises InvalidInput naming the step when the rule gives something other than a real number."""
         value = self.rule(int(step_index), timestep, int(num_steps))
         if hasattr(value, "item") and not isinstance(value, numbers.Real):  # a one-element tensor or array
             try:
@@ -89,7 +90,7 @@ class HeadActivationSchedule:
             except (ValueError, RuntimeError):
                 pass
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"head-activation schedule {self.spec!r} gave {value!r} at step {step_index} "
+            raise InvalidInput(f"head-activation schedule {self.spec!r} gave {value!r} at step {step_index} "
                              f"(timestep {timestep:g}); it must give a number.")
         return float(value)
 
@@ -97,8 +98,8 @@ class HeadActivationSchedule:
         """The requested ratio of every step of a trajectory over ``timesteps`` (in order)."""
         steps = _timesteps(timesteps)
         if self.num_steps is not None and self.num_steps != len(steps):
-            raise ValueError(f"head_activation_ratio has {self.num_steps} per-step ratios for {len(steps)} denoising "
-                             "steps; give one ratio per step.")
+            raise InvalidInput(f"the schedule has {self.num_steps} per-step ratios for {len(steps)} denoising steps; "
+                               "give one ratio per step.")
         return [self.ratio_at(i, t, len(steps)) for i, t in enumerate(steps)]
 
     # ------------------------------------------------------------------ constructors
@@ -130,7 +131,8 @@ class HeadActivationSchedule:
         pieces = [(_ratio(r, "step"), _threshold(threshold)) for r, threshold in pieces]
         last = _ratio(otherwise, "step")
         if not pieces:
-            raise ValueError(f"a step schedule needs at least one R@t>T piece before its last ratio; {SCHEDULE_EXAMPLES}.")
+            raise InvalidInput(f"a step schedule needs at least one R@t>T piece before its last ratio; "
+                               f"{SCHEDULE_EXAMPLES}.")
 
         def rule(i: int, t: int, n: int) -> float:
             return next((r for r, threshold in pieces if t > threshold), last)
@@ -143,7 +145,7 @@ class HeadActivationSchedule:
         """One ratio per denoising step, in order (the first is the noisiest step's)."""
         values = [float(r) for r in ratios]  # each step's range is checked against the model when planned
         if not values:
-            raise ValueError("head_activation_ratio: an empty list of per-step ratios; give one ratio per step.")
+            raise InvalidInput("an empty list of per-step ratios; give one ratio per step.")
         spec = "per-step:" + ":".join(_fmt(v) for v in values)
         return cls(spec, lambda i, t, n: values[i], num_steps=len(values))
 
@@ -170,13 +172,13 @@ def _timesteps(timesteps: Sequence[Any]) -> list[int | float]:
 def _ratio(value: Any, kind: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
             or not 0.0 < value <= 1.0:
-        raise ValueError(f"a {kind} head-activation schedule's ratios must be numbers in (0, 1]; got {value!r}.")
+        raise InvalidInput(f"a {kind} head-activation schedule's ratios must be numbers in (0, 1]; got {value!r}.")
     return float(value)
 
 
 def _threshold(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"a step schedule's timestep thresholds must be ints >= 0; got {value!r}.")
+        raise InvalidInput(f"a step schedule's timestep thresholds must be ints >= 0; got {value!r}.")
     return int(value)
 
 
@@ -189,15 +191,15 @@ def is_schedule_spec(text: Any) -> bool:
 def parse_schedule(text: str) -> HeadActivationSchedule:
     """A schedule from its text: a number, ``linear:A:B``, ``cosine:A:B`` or ``step:R1@t>T1[,R@t>T...],Rn``.
 
-    Raises ValueError in one line naming what was wrong and giving examples."""
+    Raises InvalidInput in one line naming what was wrong and giving examples."""
     if not isinstance(text, str):
-        raise ValueError(f"a head-activation schedule spec must be text; got {type(text).__name__} ({SCHEDULE_EXAMPLES}).")
+        raise InvalidInput(f"a head-activation schedule spec must be text; got {type(text).__name__} ({SCHEDULE_EXAMPLES}).")
     spec = text.strip()
     kind, _, rest = spec.partition(":")
     kind = kind.strip().lower()
 
-    def bad(why: str) -> ValueError:
-        return ValueError(f"head-activation schedule {text!r}: {why}; {SCHEDULE_EXAMPLES}.")
+    def bad(why: str) -> InvalidInput:
+        return InvalidInput(f"head-activation schedule {text!r}: {why}; {SCHEDULE_EXAMPLES}.")
 
     if not _:
         try:
@@ -250,7 +252,7 @@ def schedule_setting(value: Any) -> float | str:
 
 def as_schedule(value: Any) -> HeadActivationSchedule:
     """``value`` as a schedule: a schedule, a spec string, a sequence of per-step ratios or a function
-    of the timestep. Raises ValueError for anything else."""
+    of the timestep. Raises InvalidInput for anything else."""
     if isinstance(value, HeadActivationSchedule):
         return value
     if isinstance(value, str):
@@ -261,10 +263,10 @@ def as_schedule(value: Any) -> HeadActivationSchedule:
         value = value.tolist()
     if isinstance(value, (list, tuple)):
         if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value):
-            raise ValueError("head_activation_ratio as a list must hold one number per denoising step.")
+            raise InvalidInput("a list of per-step ratios must hold one number per denoising step.")
         return HeadActivationSchedule.per_step(value)
-    raise ValueError(f"head_activation_ratio={value!r}: give a number, a schedule ({SCHEDULE_EXAMPLES}), one ratio "
-                     "per step, or a function of the timestep.")
+    raise InvalidInput(f"got {value!r}; give a number, a schedule ({SCHEDULE_EXAMPLES}), one ratio per step, or a "
+                       "function of the timestep.")
 
 
 def split_ratio_list(text: str) -> list[str]:
@@ -322,7 +324,7 @@ def plan_head_activation(model: HeadActivated, schedule: HeadActivationSchedule,
                          ) -> HeadActivationPlan:
     """Resolve ``schedule`` on ``model`` for a trajectory over ``timesteps``, leaving the model as it was.
 
-    Every step's ratio is checked before anything runs: a ValueError names the first step (and
+    Every step's ratio is checked before anything runs: an InvalidInput names the first step (and
     its timestep) whose ratio is not a number or lies outside the model's reachable range."""
     steps = _timesteps(timesteps)
     requested = schedule.ratios(steps)
@@ -331,7 +333,7 @@ def plan_head_activation(model: HeadActivated, schedule: HeadActivationSchedule,
     dense = None
     for index, (ratio, t) in enumerate(zip(requested, steps)):
         if not math.isfinite(ratio) or not low - 1e-9 <= ratio <= high + 1e-9:
-            raise ValueError(
+            raise InvalidInput(
                 f"head-activation schedule {schedule.spec!r} asks for {ratio:.4f} at step {index} (timestep {t:g}), "
                 f"outside this model's reachable range [{low:.4f}, {high:.4f}]; keep every step's ratio in that range."
             )
