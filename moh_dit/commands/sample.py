@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import inspect
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -45,10 +44,8 @@ from moh_dit.sampling.sample import (
     SampleSettings,
     check_folder_path,
     check_sample_folder,
-    check_model_flags,
     check_npz_fits_on_disk,
     check_or_write_settings,
-    check_seed_flags,
     check_settings,
     load_pipeline,
     model_folder,
@@ -63,8 +60,8 @@ logger = get_logger(__name__)
 
 
 def ratio_or_schedule(text: str) -> float | str:
-    """``--head-activation-ratio``'s value: a float for a number (range-checked by check_args), else a
-    head-activation schedule's canonical spec; argparse reports a bad schedule in one line."""
+    """``--head-activation-ratio``'s value: a float for a number (checked against the model by the
+    pipeline), else a head-activation schedule's canonical spec; argparse reports a bad schedule in one line."""
     try:
         return schedule_setting(text)
     except ValueError as err:
@@ -116,32 +113,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Every flag that can be checked without the model, in the CLI's spelling; raises
-    ValueError / FileNotFoundError before anything is loaded or written."""
-    def at_least_one(flag: str, value: int) -> None:
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}.")
-
-    at_least_one("--num-samples", args.num_samples)
-    at_least_one("--per-device-batch-size", args.per_device_batch_size)
-    at_least_one("--num-inference-steps", args.num_inference_steps)
-    check_seed_flags(args.guidance_scale, args.seed, args.num_samples)
-    ratio = args.head_activation_ratio
-    if isinstance(ratio, float) and not (math.isfinite(ratio) and 0 < ratio <= 1):
-        raise ValueError(f"--head-activation-ratio must be in (0, 1], got {ratio}; leave it out for the trained one.")
+    """The flags that are the command's own, before anything is loaded or written. The library
+    checks the others where it uses them (SampleSettings, load_pipeline, the pipeline's
+    check_inputs), before anything is written, naming parameters that run_cli shows as these flags."""
+    if args.per_device_batch_size < 1:
+        raise ValueError(f"--per-device-batch-size must be >= 1, got {args.per_device_batch_size}.")
     if args.scheduler == "dpm" and args.clip_sample == "yes":
         raise ValueError("--clip-sample yes does not apply to --scheduler dpm (DPM-Solver has no x0 clipping); "
                          "use --clip-sample auto or no.")
-    if args.scheduler == "saved" and args.clip_sample != "auto":
-        raise ValueError("--clip-sample applies to a scheduler built here; --scheduler saved keeps the saved "
-                         "scheduler's own clipping. Leave --clip-sample out, or pick --scheduler ddpm|ddim.")
-    pipeline_folder = (model_folder(args.model) / "model_index.json").is_file()
-    if args.scheduler is None and args.clip_sample != "auto" and pipeline_folder:
-        raise ValueError("--clip-sample applies to a scheduler built here; without --scheduler the pipeline folder's "
-                         "own scheduler keeps its clipping. Leave --clip-sample out, or pick --scheduler ddpm|ddim.")
     if args.compile_mode is not None and not args.compile:
         raise ValueError("--compile-mode sets how --compile compiles; add --compile or drop it.")
-    check_model_flags(args.model, args.vae)
     check_folder_path(args.output_dir, "--output-dir", "give a folder (it is created if missing)")
     local_vae = args.vae if args.vae is not None and Path(args.vae).expanduser().is_dir() else None
     check_outside_inputs(args.output_dir, {"--model": Path(args.model).expanduser(),
@@ -149,32 +130,13 @@ def check_args(args: argparse.Namespace) -> None:
     check_sample_folder(args.output_dir)
 
 
-def check_model_args(args: argparse.Namespace, pipe, settings: SampleSettings) -> None:
-    """The flags whose limits come from the model: steps within its diffusion steps, the ratio
-    within its reachable range, and the pipeline's own rules; before anything is written."""
-    train_steps = int(getattr(pipe.scheduler.config, "num_train_timesteps", 1000))
-    if args.num_inference_steps > train_steps:
-        raise ValueError(f"--num-inference-steps {args.num_inference_steps} is more than the {train_steps} diffusion "
-                         f"steps the model was trained with; use 1..{train_steps}.")
-    if isinstance(args.head_activation_ratio, float):  # a schedule's steps are checked by check_settings
-        low, high = pipe.transformer.head_activation_range
-        if not low - 1e-9 <= args.head_activation_ratio <= high + 1e-9:
-            # The model's own message names its reachable range.
-            preview_head_activation(pipe.transformer, args.head_activation_ratio)
-    check_settings(pipe, settings)
-    if not args.no_npz:
-        check_npz_fits_on_disk(args.output_dir, pipe, settings.num_samples)
-
-
-def head_activation_record(pipe, settings: SampleSettings) -> dict:
+def head_activation_record(pipe, settings: SampleSettings, plan) -> dict:
     """What the run's head activation realises, for ``sample_config.json``: the ratio and per-layer
-    top-K; for a schedule, the mean realised ratio, every step's realised ratio and top-K, and the
-    mean attention FLOPs relative to dense."""
-    ratio = settings.head_activation_ratio
-    if not isinstance(ratio, str):
-        realised, top_k = preview_head_activation(pipe.transformer, ratio)
+    top-K; for a schedule (``plan``, from :func:`check_settings`), the mean realised ratio, every
+    step's realised ratio and top-K, and the mean attention FLOPs relative to dense."""
+    if plan is None:
+        realised, top_k = preview_head_activation(pipe.transformer, settings.head_activation_ratio)
         return {"realised_head_activation_ratio": realised, "top_k_per_layer": top_k}
-    plan = pipe.head_activation_plan(ratio, settings.num_inference_steps)
     return {"realised_head_activation_ratio": plan.mean_ratio, "top_k_per_layer": None,
             "head_activation_schedule": plan.spec, "head_activation_ratios": plan.realised,
             "top_k_per_step": plan.top_k, "mean_attention_flop_ratio": plan.mean_attention_flop_ratio}
@@ -208,7 +170,9 @@ def main(args: argparse.Namespace) -> int:
     accelerator = Accelerator()
     clip = {"auto": None, "yes": True, "no": False}[args.clip_sample]
     pipe = load_pipeline(args.model, vae=args.vae, scheduler=args.scheduler, clip_sample=clip, dtype=args.dtype)
-    check_model_args(args, pipe, settings)  # everything is checked before anything is written
+    plan = check_settings(pipe, settings)  # the pipeline's one check of the run's call, before anything is written
+    if not args.no_npz:
+        check_npz_fits_on_disk(args.output_dir, pipe, settings.num_samples)
     identity = run_identity(pipe, settings, args.model)
     run_info = {
         "args": vars(args),
@@ -216,7 +180,7 @@ def main(args: argparse.Namespace) -> int:
         "num_samples": settings.num_samples,
         "num_processes": accelerator.num_processes,
         "per_device_batch_size": args.per_device_batch_size,
-        **head_activation_record(pipe, settings),
+        **head_activation_record(pipe, settings, plan),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     if args.dry_run:
@@ -225,7 +189,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     # One writer per output folder: a second command sampling into it stops here, naming this one.
     # The main process holds the lock for the whole run; the other processes are part of it.
-    held = (hold_output_folder(args.output_dir, "sample", "--output-dir") if accelerator.is_main_process
+    held = (hold_output_folder(args.output_dir, "sample") if accelerator.is_main_process
             else contextlib.nullcontext())
     with held:
         write_samples(args, accelerator, pipe, settings, identity, run_info)

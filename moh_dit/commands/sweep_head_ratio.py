@@ -35,24 +35,21 @@ import torch
 
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.utils.logging import get_logger, info_enabled
-from moh_dit.evaluation import ADM_K, INCEPTION_WEIGHTS_ENV, check_feature_memory, reference_cache_dir
+from moh_dit.evaluation import INCEPTION_WEIGHTS_ENV, reference_cache_dir
 from moh_dit.utils.output_folders import check_outside_inputs, hold_output_folder
 from moh_dit.sampling.sample_files import check_own_folder
 from moh_dit.diffusion.schedulers import SCHEDULERS
 from moh_dit.models.head_schedule import SCHEDULE_EXAMPLES
 from moh_dit.pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SEED_RANGE
-from moh_dit.sampling.sample import DTYPES, SampleSettings, check_model_flags, check_seed_flags, load_pipeline
+from moh_dit.sampling.sample import DTYPES, SampleSettings, load_pipeline
 from moh_dit.sampling.sweep import (
     ATTENTION_PATHS,
     BOOTSTRAP_RESAMPLES,
     DEFAULT_RATIOS,
     is_sweep_folder,
     SweepSettings,
-    check_device,
-    check_plans,
-    check_folder_path,
-    parse_ratios,
-    plan_ratios,
+    check_sample_count,
+    plan_sweep,
     sweep_head_activation,
     transformer_calls_per_image,
     write_sweep,
@@ -118,25 +115,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Every flag that can be checked without the model, in the CLI's spelling, before anything
-    is loaded or written; the model's limits (ratio range, steps) are checked by run_sweep
-    before the first image."""
-    if args.num_samples < ADM_K + 1:
-        raise ValueError(f"--num-samples must be >= {ADM_K + 1} (precision/recall use k={ADM_K}), got {args.num_samples}.")
-    for flag, value in (("--batch-size", args.batch_size), ("--eval-batch-size", args.eval_batch_size),
-                        ("--num-inference-steps", args.num_inference_steps)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}.")
+    """The flags that are the command's own, before anything is loaded or written. The library
+    checks the others where it uses them (SampleSettings, SweepSettings, load_pipeline, and the
+    sweep's planning with the pipeline's check_inputs), before the first image, naming parameters
+    that run_cli shows as these flags."""
     if args.head_usage_images < 0:
         raise ValueError(f"--head-usage-images must be >= 0 (0: no head-usage figure), got {args.head_usage_images}.")
-    if args.bootstrap != 0 and args.bootstrap < 2:
-        raise ValueError(f"--bootstrap must be 0 (no FID interval) or >= 2 resamples, got {args.bootstrap}.")
-    check_seed_flags(args.guidance_scale, args.seed, args.num_samples)
     if args.random_inception_seed is not None and not 0 <= args.random_inception_seed <= SEED_RANGE[1]:
         raise ValueError(f"--random-inception-seed must be in [0, {SEED_RANGE[1]}], got {args.random_inception_seed}.")
-    parse_ratios(args.ratios)
-    check_device(args.device)
-    check_model_flags(args.model, args.vae)
     ref = Path(args.ref).expanduser()
     if not ref.exists():
         raise FileNotFoundError(f"--ref {args.ref} does not exist; give an ADM reference batch .npz, an image .npz "
@@ -148,9 +134,6 @@ def check_args(args: argparse.Namespace) -> None:
         what = "is a folder" if Path(args.inception_weights).expanduser().is_dir() else "does not exist"
         raise FileNotFoundError(f"--inception-weights {args.inception_weights} {what}; give the weights file "
                                 "(weights-inception-2015-12-05-6726825d.pth).")
-    check_folder_path(args.output_dir, "--output-dir")
-    if args.cache_dir is not None and not args.no_cache:
-        check_folder_path(args.cache_dir, "--cache-dir")
     if args.classifier_weights is not None and args.classifier is None:
         raise ValueError("--classifier-weights needs --classifier torchvision:NAME")
     if args.classifier is not None and not args.classifier.startswith("torchvision:"):
@@ -158,8 +141,6 @@ def check_args(args: argparse.Namespace) -> None:
             raise FileNotFoundError(f"--classifier {args.classifier} is not a classifier folder (no classifier.json); "
                                     "make one with moh-dit train-classifier or give torchvision:NAME")
     check_outputs(args)
-    check_feature_memory(args.num_samples, f"--num-samples {args.num_samples}",
-                         "use a smaller --num-samples (the features of every image are kept for the metrics)")
 
 
 def sweep_inputs(args: argparse.Namespace) -> dict[str, Path | None]:
@@ -192,12 +173,22 @@ def sample_settings(args: argparse.Namespace) -> SampleSettings:
     )
 
 
-def dry_run(args: argparse.Namespace) -> dict:
-    pipe = load_pipeline(args.model, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype)
+def sweep_settings(args: argparse.Namespace) -> SweepSettings:
+    """How the sweep runs (checked when made: batch sizes, device, folders, bootstrap)."""
+    return SweepSettings(
+        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, device=args.device, attention=args.attention,
+        output_dir=args.output_dir, save_samples=args.save_samples, cache_dir=args.cache_dir, use_cache=not args.no_cache,
+        inception_weights=args.inception_weights, random_inception_seed=args.random_inception_seed,
+        download=not args.no_download, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype,
+        classifier=args.classifier, classifier_weights=args.classifier_weights, progress=info_enabled(),
+        bootstrap=args.bootstrap, match_flops=args.match_flops,
+    )
+
+
+def dry_run(args: argparse.Namespace, pipe, images: SampleSettings) -> dict:
+    check_sample_count(images.num_samples)  # what the sweep itself refuses first
+    planned = plan_sweep(pipe, args.ratios, images, match_flops=args.match_flops)
     calls = transformer_calls_per_image(args.num_inference_steps, args.guidance_scale)
-    timesteps = pipe.sampling_timesteps(args.num_inference_steps, None)
-    planned = plan_ratios(pipe.transformer, parse_ratios(args.ratios), timesteps, match_flops=args.match_flops)
-    check_plans(pipe, planned, sample_settings(args))
     plans = []
     for plan in planned:
         sparse, dense, steps = plan.attention_flops(pipe.transformer)
@@ -218,39 +209,34 @@ def dry_run(args: argparse.Namespace) -> dict:
 @command
 def main(args: argparse.Namespace):
     check_args(args)
+    images, settings = sample_settings(args), sweep_settings(args)
+    # Loaded once, for the sweep and the head-usage figure.
+    pipe = load_pipeline(args.model, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype)
     if args.dry_run:
-        return dry_run(args)
-    settings = SweepSettings(
-        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, device=args.device, attention=args.attention,
-        output_dir=args.output_dir, save_samples=args.save_samples, cache_dir=args.cache_dir, use_cache=not args.no_cache,
-        inception_weights=args.inception_weights, random_inception_seed=args.random_inception_seed,
-        download=not args.no_download, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype,
-        classifier=args.classifier, classifier_weights=args.classifier_weights, progress=info_enabled(),
-        bootstrap=args.bootstrap, match_flops=args.match_flops,
-    )
+        return dry_run(args, pipe, images)
     # One writer per output folder, from the first image to the last file written.
-    with hold_output_folder(Path(args.output_dir).expanduser(), "sweep", "--output-dir"):
+    with hold_output_folder(Path(args.output_dir).expanduser(), "sweep"):
         check_own_folder(args.output_dir, "sweep", is_sweep_folder)  # again, now that no other sweep can write it
-        result = sweep_head_activation(args.model, parse_ratios(args.ratios), args.ref, sample_settings(args),
-                                       settings, log=logger.info)
+        result = sweep_head_activation(pipe, args.ratios, args.ref, images, settings, log=logger.info,
+                                       model_label=str(Path(args.model).resolve()))
         result.settings["args"] = vars(args)
         paths = write_sweep(result, args.output_dir)
-        paths.update(_head_usage_figure(args))
+        paths.update(_head_usage_figure(args, pipe))
     logger.info(result.table())
     logger.info("wrote " + ", ".join(str(p) for p in paths.values()))
     return result
 
 
-def _head_usage_figure(args: argparse.Namespace) -> dict[str, Path]:
-    """The head-usage figure of the swept model at its trained ratio (a few images per class,
-    the sweep's steps and seed, no guidance), written to OUTPUT_DIR/head_usage/; nothing for a
-    dense model or with --head-usage-images 0."""
+def _head_usage_figure(args: argparse.Namespace, pipe) -> dict[str, Path]:
+    """The head-usage figure of the swept model (``pipe``, on ``--device``, as the sweep leaves it:
+    its trained ratio and attention path) from a few images per class, the sweep's steps and seed,
+    no guidance, written to OUTPUT_DIR/head_usage/; nothing for a dense model or with
+    --head-usage-images 0."""
     from moh_dit.evaluation.head_usage import measure_head_usage, write_head_usage
     from moh_dit.sampling.sweep_results import model_name
 
     if args.head_usage_images == 0:
         return {}
-    pipe = load_pipeline(args.model, vae=args.vae, scheduler=args.scheduler, dtype=args.dtype).to(args.device)
     if not pipe.transformer.is_moh:
         return {}
     usage = measure_head_usage(pipe, images_per_class=args.head_usage_images,

@@ -25,12 +25,11 @@ and it restores the model's per-layer top-K on exit, also on error.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import abc
 import json
-import math
 import numbers
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -39,19 +38,21 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import DamagedFile, InputNotFound, InvalidInput
 from ..models.head_activation import head_activation, preview_head_activation
-from ..models.head_schedule import schedule_setting
+from ..models.head_schedule import HeadActivationPlan, schedule_setting
 from ..utils.io import write_json_atomic
+from ..utils.resources import check_fits_on_disk
 from ..data.latents import load_vae
 from ..utils.output_folders import check_folder_path, write_output_marker
 from .sample_files import (IMAGE_DIR, NPZ_FILE, SETTINGS_FILE, DamagedSampleError, check_sample_folder,
                            existing_indices, intact_png, missing_batches, missing_indices, png_path,
                            save_png_atomic, write_adm_npz)
 from ..diffusion.schedulers import SCHEDULERS, make_scheduler
-from ..pipelines.pipeline_moh_dit import GUIDANCE_CHANNELS, SEED_RANGE, MoHDiTPipeline
+from ..pipelines.pipeline_moh_dit import SEED_RANGE, MoHDiTPipeline
 from ..models.config_checks import check_transformer_config_file
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
-from ..training.run_folder import RUN_RECORD
+from ..training import RUN_RECORD
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -81,7 +82,6 @@ __all__ = [
     "check_or_write_settings",
     "check_settings",
     "check_folder_path",
-    "check_seed_flags",
     "check_model_flags",
     "sample_images",
     "generate_batch",
@@ -100,6 +100,10 @@ class SampleSettings:
     ``head_activation_ratio``: a ratio, a head-activation schedule's spec (``"linear:0.5:1.0"``,
     ``"step:0.5@t>500,1.0"``; kept in its canonical spelling, so a resume with another schedule is
     refused), or None for the model's trained ratio.
+
+    Checked when made: what is its own (the set's size, the label mode, image i's seed ``seed +
+    i``; a schedule's spelling). What it passes to the pipeline (guidance, steps, the ratio) the
+    pipeline checks against the model (:func:`check_settings`). InvalidInput names the field.
     """
 
     num_samples: int = 50_000
@@ -111,38 +115,27 @@ class SampleSettings:
     class_labels: str = "balanced"
 
     def __post_init__(self) -> None:
-        # The model-independent rules; check_settings adds the model's (steps, ratio range).
         if not _is_int(self.num_samples) or self.num_samples < 1:
-            raise ValueError(f"num_samples must be an int >= 1, got {self.num_samples!r}.")
-        if not _is_real(self.guidance_scale) or not math.isfinite(self.guidance_scale) or self.guidance_scale < 1:
-            raise ValueError(f"guidance_scale must be a finite number >= 1 (1 = no guidance), got {self.guidance_scale!r}.")
-        if not _is_int(self.num_inference_steps) or self.num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be an int >= 1, got {self.num_inference_steps!r}.")
-        if isinstance(self.head_activation_ratio, str):  # a schedule's spec, checked and spelt canonically
-            self.head_activation_ratio = schedule_setting(self.head_activation_ratio)
-        ratio = self.head_activation_ratio
-        if ratio is not None and not isinstance(ratio, str) and (
-                not _is_real(ratio) or not math.isfinite(ratio) or not 0 < ratio <= 1):
-            raise ValueError(f"head_activation_ratio must be in (0, 1] (or None: the trained one), got {ratio!r}.")
+            raise InvalidInput(f"num_samples must be an int >= 1, got {self.num_samples!r}.", parameters="num_samples")
+        if isinstance(self.head_activation_ratio, str):  # a schedule's spec (or a number), spelt canonically
+            try:
+                self.head_activation_ratio = schedule_setting(self.head_activation_ratio)
+            except ValueError as err:
+                raise InvalidInput(f"head_activation_ratio: {err}", parameters="head_activation_ratio") from None
         if self.class_labels not in CLASS_LABEL_MODES:
-            raise ValueError(f"class_labels={self.class_labels!r}; choose one of {CLASS_LABEL_MODES}.")
-        if self.guidance_channels not in GUIDANCE_CHANNELS:
-            raise ValueError(f"guidance_channels={self.guidance_channels!r}; choose one of {GUIDANCE_CHANNELS}.")
+            raise InvalidInput(f"class_labels={self.class_labels!r}; choose one of {CLASS_LABEL_MODES}.",
+                               parameters="class_labels")
         if not _is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0 (image i uses seed + i), got {self.seed!r}.")
+            raise InvalidInput(f"seed must be an int >= 0 (image i uses seed + i), got {self.seed!r}.", parameters="seed")
         if self.seed + self.num_samples - 1 > SEED_RANGE[1]:
-            raise ValueError(
+            raise InvalidInput(
                 f"seed {self.seed} + num_samples {self.num_samples} - 1 exceeds {SEED_RANGE[1]}, the largest seed "
-                "torch.Generator takes (image i uses seed + i); use a smaller seed."
+                "torch.Generator takes (image i uses seed + i); use a smaller seed.", parameters=("seed", "num_samples"),
             )
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 # --------------------------------------------------------------------------------------
@@ -210,8 +203,8 @@ def model_folder(model: str | os.PathLike) -> Path:
     if not (path / RUN_RECORD).is_file():
         return path
     if not (path / "final").is_dir():
-        raise FileNotFoundError(f"{model} is a training run without final/ (it has not finished); finish it (moh-dit "
-                                "train with --resume latest), or give a model folder.")
+        raise InputNotFound(f"model {model} is a training run without final/ (it has not finished): resume its "
+                            "training to the end, or give a pipeline or transformer folder.", parameters="model")
     return path / "final"
 
 
@@ -234,23 +227,23 @@ def load_pipeline(
     :func:`make_scheduler`'s (logged at info level). ``clip_sample`` applies to a scheduler built
     here; None: on for pixel-space models (IDDPM clips predicted images to [-1, 1]), off for latent
     ones (DiT's sampler does not clip) and for DPM-Solver (which has no clipping).
-    ``dtype`` applies to the transformer; the VAE stays in float32.
+    ``dtype`` applies to the transformer; the VAE stays in float32. Every argument is checked
+    before anything is loaded; InvalidInput / InputNotFound name the parameter.
     """
+    check_model_flags(model, vae)
     model = model_folder(model)
     if isinstance(dtype, str) and dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}; choose one of {list(DTYPES)}.")
+        raise InvalidInput(f"dtype={dtype!r}; choose one of {list(DTYPES)}.", parameters="dtype")
     if scheduler not in SCHEDULERS + ("saved", None):
-        raise ValueError(f"scheduler={scheduler!r}; choose one of {SCHEDULERS + ('saved',)} (None: the saved one).")
+        raise InvalidInput(f"scheduler={scheduler!r}; choose one of {SCHEDULERS + ('saved',)} (None: the saved one).",
+                           parameters="scheduler")
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    if not model.exists():
-        raise FileNotFoundError(f"model {model} does not exist; give a pipeline folder or a save_pretrained transformer folder.")
-    if not model.is_dir():
-        raise ValueError(f"model {model} is a file; give a pipeline folder or a save_pretrained transformer folder.")
     is_pipeline = (model / "model_index.json").is_file()
     if is_pipeline:
         if scheduler in (None, "saved") and clip_sample is not None:
-            raise ValueError("clip_sample applies to a scheduler built here; the saved scheduler keeps its own "
-                             "clipping. Leave clip_sample out, or pass scheduler='ddpm'|'ddim'.")
+            raise InvalidInput("clip_sample applies only where scheduler is 'ddpm' or 'ddim' (built here): a saved one "
+                               "keeps its own clipping. Leave clip_sample out, or set scheduler to 'ddpm' or 'ddim'.",
+                               parameters=("clip_sample", "scheduler"))
         if (model / "transformer" / "config.json").is_file():
             check_transformer_config_file(model / "transformer")
         pipe = MoHDiTPipeline.from_pretrained(model)
@@ -259,21 +252,19 @@ def load_pipeline(
                                   id2label=pipe.id2label or None)
     elif (model / "config.json").is_file():
         if scheduler == "saved":
-            raise ValueError(f"{model} is a transformer folder with no saved scheduler; use --scheduler ddpm|ddim|dpm.")
+            raise InvalidInput(f"scheduler 'saved' needs a pipeline folder; {model} is a transformer folder (none "
+                               "saved): give scheduler ddpm, ddim or dpm.", parameters="scheduler")
         check_transformer_config_file(model)  # one line naming config.json and the field, before building
         transformer = MoHDiTTransformer2DModel.from_pretrained(model)
         channels = transformer.config.in_channels
         if channels not in (1, 3) and (vae is None or vae.lower() == "none"):
-            raise ValueError(
-                f"{model} is a latent model ({channels}-channel inputs): pass its VAE with --vae (vae=), e.g. "
-                "--vae stabilityai/sd-vae-ft-ema."
-            )
+            raise InvalidInput(f"{model} holds a latent transformer ({channels}-channel inputs): pass its VAE as vae, "
+                               "e.g. vae stabilityai/sd-vae-ft-ema.", parameters="vae")
         pipe = MoHDiTPipeline(transformer=transformer, scheduler=make_scheduler("ddpm"), vae=_load_vae(vae))
         scheduler = scheduler or "ddpm"
     else:
-        raise FileNotFoundError(
-            f"{model} is neither a pipeline folder (model_index.json) nor a transformer folder (config.json)."
-        )
+        raise InputNotFound(f"{model} is neither a pipeline folder (model_index.json) nor a transformer folder "
+                            "(config.json).")
     if scheduler not in (None, "saved"):
         if clip_sample is None:
             clip_sample = pipe.vae is None and scheduler != "dpm"
@@ -310,14 +301,15 @@ def run_identity(pipe: MoHDiTPipeline, settings: SampleSettings, model: str) -> 
     return identity
 
 
-def check_settings(pipe: MoHDiTPipeline, settings: SampleSettings) -> None:
-    """Check ``settings`` against the model and scheduler of ``pipe`` without sampling: the
-    pipeline's own rules (:meth:`MoHDiTPipeline.check_inputs`: steps within the model's
-    diffusion steps, the ratio within its reachable range, scheduler / model agreement) for
-    the run's first and last image. Raises ValueError."""
+def check_settings(pipe: MoHDiTPipeline, settings: SampleSettings) -> HeadActivationPlan | None:
+    """Check ``settings`` against the model and scheduler of ``pipe`` without sampling, before
+    anything is written: the pipeline's own check of a call (:meth:`MoHDiTPipeline.check_inputs`:
+    guidance, steps within the model's diffusion steps, the ratio or every step of a schedule
+    within its reachable range, scheduler / model agreement) for the run's first and last image.
+    Returns the schedule's plan (None for one ratio); InvalidInput names the setting."""
     last = settings.num_samples - 1
     labels = class_labels_for([0, last], pipe.transformer.config.num_classes, settings.class_labels, settings.seed)
-    pipe.check_inputs(
+    return pipe.check_inputs(
         labels, settings.guidance_scale, settings.num_inference_steps,
         head_activation_ratio=settings.head_activation_ratio, seeds=[settings.seed, settings.seed + last],
         guidance_channels=settings.guidance_channels, output_type="latent",
@@ -334,20 +326,14 @@ def image_shape(pipe: MoHDiTPipeline) -> tuple[int, int, int]:
     return size, size, channels
 
 
-def check_npz_fits_on_disk(output: str | os.PathLike, pipe: MoHDiTPipeline, num_samples: int,
-                           flag: str = "--num-samples") -> None:
+def check_npz_fits_on_disk(output: str | os.PathLike, pipe: MoHDiTPipeline, num_samples: int) -> None:
     """Refuse a run whose ``.npz`` alone (``num_samples`` raw images; the PNGs come on top) is
     larger than the free space of the disk that holds ``output``, before anything is written."""
     height, width, channels = image_shape(pipe)
-    needed = num_samples * height * width * channels
-    folder = Path(output).expanduser().absolute()
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    free = shutil.disk_usage(folder).free
-    if needed > free:
-        raise ValueError(f"{flag} {num_samples}: the {NPZ_FILE} of {num_samples} images of {height}x{width} needs "
-                         f"{needed / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on the disk of {folder}; "
-                         f"use a smaller {flag}, another --output-dir, or --no-npz.")
+    check_fits_on_disk(num_samples * height * width * channels, Path(output).expanduser(),
+                       f"num_samples {num_samples} (a {NPZ_FILE} of {height}x{width} images)",
+                       "use a smaller num_samples, another output_dir, or no .npz (no_npz)",
+                       parameters=("num_samples", "output_dir", "no_npz"))
 
 
 def _holds_samples(output: Path) -> bool:
@@ -378,13 +364,14 @@ def check_or_write_settings(
         try:
             previous = json.loads(path.read_text(encoding="utf-8")).get("identity", {})
         except (json.JSONDecodeError, AttributeError) as err:
-            raise ValueError(f"{path} is not a sample settings file ({err}); use a new --output.") from None
+            raise DamagedFile(f"{path} is not a sample settings file ({err}); use a new output_dir.",
+                              parameters="output_dir") from None
         current = json.loads(json.dumps(identity))  # normalise tuples / key types the way JSON stores them
         changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
         if changed and _holds_samples(output):
-            raise ValueError(
+            raise InvalidInput(
                 f"{output} holds samples made with different settings ({', '.join(changed)} differ; see {path}). "
-                "Use a new --output, or delete the folder to start over."
+                "Use a new output_dir, or delete the folder to start over.", parameters="output_dir",
             )
         if changed:
             note = (f"{path} held other settings ({', '.join(changed)}) but no samples (an earlier run stopped before "
@@ -397,42 +384,34 @@ def check_or_write_settings(
 
 def _check_output_folder(output: Path) -> None:
     """Refuse an output that is a file, or that lies under a file, before anything is made."""
-    check_folder_path(output, "--output", "give a folder (it is created if missing)")
+    check_folder_path(output, "output_dir", "give a folder (it is created if missing)",
+                      error=functools.partial(InvalidInput, parameters="output_dir"))
 
 
 # --------------------------------------------------------------------------------------
-# Flag checks in the scripts' spelling (moh-dit sample, moh-dit sweep)
+# The paths of a model and its VAE
 # --------------------------------------------------------------------------------------
-
-
-def check_seed_flags(guidance_scale: float, seed: int, num_samples: int) -> None:
-    """``--guidance-scale``, ``--seed`` and ``--seed`` + ``--num-samples`` as SampleSettings
-    will need them, named by their flags."""
-    if not (math.isfinite(guidance_scale) and guidance_scale >= 1):
-        raise ValueError(f"--guidance-scale must be a finite number >= 1 (1 = no guidance), got {guidance_scale}.")
-    if seed < 0:
-        raise ValueError(f"--seed must be >= 0 (image i uses seed + i), got {seed}.")
-    if seed + num_samples - 1 > SEED_RANGE[1]:
-        raise ValueError(f"--seed {seed} + --num-samples {num_samples} - 1 exceeds {SEED_RANGE[1]}, the "
-                         "largest seed torch takes (image i uses seed + i); use a smaller --seed.")
 
 
 def _looks_like_path(name: str) -> bool:
-    """A --vae that can only be a local path: a Hub id is exactly ``org/name``."""
+    """A ``vae`` that can only be a local path: a Hub id is exactly ``org/name``."""
     return name.startswith((".", "/", "~")) or name.count("/") != 1 or Path(name).exists()
 
 
-def check_model_flags(model: str, vae: str | None) -> None:
-    """``--model`` must be a folder; ``--vae``, when it can only be a local path, must be one."""
+def check_model_flags(model: str | os.PathLike, vae: str | None) -> None:
+    """``model`` must be a folder; ``vae``, when it can only be a local path, must be one. Checks
+    the paths only (nothing is read); :func:`load_pipeline` starts with it."""
     path = Path(model).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"--model {model} does not exist; give a pipeline folder or a save_pretrained "
-                                "transformer folder.")
+        raise InputNotFound(f"model {model} does not exist; give a pipeline folder or a save_pretrained transformer "
+                            "folder.", parameters="model")
     if not path.is_dir():
-        raise ValueError(f"--model {model} is a file; give a pipeline folder or a save_pretrained transformer folder.")
+        raise InvalidInput(f"model {model} is a file; give a pipeline folder or a save_pretrained transformer folder.",
+                           parameters="model")
     if vae is not None and vae.lower() != "none" and _looks_like_path(vae) and not Path(vae).expanduser().is_dir():
         what = "is not a folder" if Path(vae).expanduser().exists() else "does not exist"
-        raise FileNotFoundError(f"--vae {vae} {what}; give an AutoencoderKL folder, a Hub id (org/name) or 'none'.")
+        raise InputNotFound(f"vae {vae} {what}; give an AutoencoderKL folder, a Hub id (org/name) or 'none'.",
+                            parameters="vae")
 
 
 # --------------------------------------------------------------------------------------
@@ -478,13 +457,14 @@ def sample_images(
     ``class_labels_for([i])`` and seed ``settings.seed + i``. A PNG it finds cut short (see
     :func:`~moh_dit.sampling.sample_files.intact_png`) is made again, with a warning naming it.
     ``on_batch`` is called with each finished batch's indices. Memory does not grow with
-    ``num_samples``: the work is planned from one listing of the folder.
+    ``num_samples``: the work is planned from one listing of the folder. The pipeline checks
+    ``settings`` at its first call, before any image is written (:func:`check_settings` checks
+    them beforehand, as ``moh-dit sample`` does before it writes its settings file).
     """
     if not _is_int(batch_size) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}.")
+        raise InvalidInput(f"batch_size must be an int >= 1, got {batch_size!r}.", parameters="batch_size")
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside [0, {world_size}).")
-    check_settings(pipe, settings)
+        raise InvalidInput(f"rank {rank} is outside [0, {world_size}).", parameters="rank")
     _check_output_folder(Path(output))
     (Path(output) / IMAGE_DIR).mkdir(parents=True, exist_ok=True)
     mine = range(rank, settings.num_samples, world_size)

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import PIL.Image
 
+from ..errors import DamagedFile, OutputExists
 from ..utils.io import atomic_write
 from ..utils.output_folders import marked_by
 
@@ -36,13 +37,13 @@ _PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # the IEND chunk every complete PN
 _LABEL_CHUNK = 1 << 16
 
 
-class DamagedSampleError(ValueError):
+class DamagedSampleError(DamagedFile):
     """A PNG of a sample folder that cannot be decoded; ``path`` and ``index`` name it."""
 
     def __init__(self, path: Path, index: int, cause: BaseException | str):
         super().__init__(
-            f"sample image {path} is damaged ({cause}); run moh-dit sample again with the same settings and "
-            f"--output-dir {path.parent.parent}: it makes damaged images again"
+            f"sample image {path} is damaged ({cause}); sampling into {path.parent.parent} again with the same "
+            "settings makes damaged images again"
         )
         self.path, self.index = path, index
 
@@ -189,11 +190,11 @@ def _read_sample(output: Path, index: int, on_damaged: Callable[[int, Path], Non
 
 
 def check_own_folder(output: str | os.PathLike, command: str, is_ours: Callable[[Path], bool],
-                     flag: str = "--output-dir") -> None:
+                     parameter: str = "output_dir") -> None:
     """Refuse an existing, non-empty folder that ``moh-dit <command>`` did not write: one without
     its marker that ``is_ours`` does not recognise either (how its folders from before markers
     are known). A command resumes or updates only its own folder, so nothing of the user's is
-    overwritten or mixed into its output. Writes nothing."""
+    overwritten or mixed into its output. Writes nothing; OutputExists names ``parameter``."""
     output = Path(output).expanduser()
     if not output.is_dir():
         return
@@ -202,13 +203,13 @@ def check_own_folder(output: str | os.PathLike, command: str, is_ours: Callable[
     names = sorted(entry.name for entry in output.iterdir())
     if names:
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        raise FileExistsError(
-            f"{flag} {output} already holds files that moh-dit {command} did not write ({shown}); choose a new or "
-            f"empty {flag}"
+        raise OutputExists(
+            f"{parameter} {output} already holds files that moh-dit {command} did not write ({shown}); choose a new "
+            f"or empty {parameter}", parameters=parameter,
         )
 
 
-def check_sample_folder(output: str | os.PathLike, flag: str = "--output-dir") -> None:
+def check_sample_folder(output: str | os.PathLike, parameter: str = "output_dir") -> None:
     """:func:`check_own_folder` for a sample folder: resumed only when marked by ``moh-dit sample``
     or holding ``sample_config.json``."""
-    check_own_folder(output, COMMAND, lambda folder: (folder / SETTINGS_FILE).is_file(), flag)
+    check_own_folder(output, COMMAND, lambda folder: (folder / SETTINGS_FILE).is_file(), parameter)

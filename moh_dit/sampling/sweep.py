@@ -20,8 +20,8 @@ grow with ``num_samples``.
     >>> print(result.table())
 
 The steps of :func:`sweep_head_activation` (``run_sweep`` takes its settings as keywords):
-plan the ratios (:func:`plan_ratios`, :func:`check_plans`), compute the reference statistics
-once, sample and evaluate each ratio, assemble the :class:`SweepResult`; what it produces and
+plan the ratios with every input checked on the model (:func:`plan_sweep`), compute the
+reference statistics once, sample and evaluate each ratio, assemble the :class:`SweepResult`; what it produces and
 how it is written lives in ``moh_dit.sampling.sweep_results`` (re-exported here). Attention FLOPs come
 from ``moh_dit.models.flops``, the package's one FLOP account.
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import time
@@ -56,6 +57,7 @@ from ..evaluation import (
     load_inception,
     load_reference,
 )
+from ..errors import InputNotFound, InvalidInput
 from ..pipelines.pipeline_moh_dit import MoHDiTPipeline
 from ..utils.output_folders import check_folder_path as _refuse_file_path
 from ..utils.output_folders import write_output_marker
@@ -76,7 +78,6 @@ from .sweep_plans import (
     RatioPlan,
     _label,
     attention_flops,
-    is_schedule,
     layer_attention_flops,
     parse_ratios,
     plan_ratios,
@@ -115,7 +116,8 @@ __all__ = [
     "attention_flops",
     "transformer_calls_per_image",
     "plan_ratios",
-    "check_plans",
+    "plan_sweep",
+    "check_sample_count",
     "check_device",
     "check_folder_path",
     "is_sweep_folder",
@@ -166,7 +168,7 @@ class SweepSettings:
     ``bootstrap``: resamples of the FID bootstrap interval (0: none; ``bootstrap_seed`` fixes
     them). ``match_flops``: add, for each schedule, the constant ratio of closest attention FLOPs.
 
-    Checked when made (ValueError naming the field); nothing is loaded or written.
+    Checked when made (InvalidInput naming the field); nothing is loaded or written.
     """
 
     batch_size: int = 32
@@ -194,19 +196,22 @@ class SweepSettings:
     def __post_init__(self) -> None:
         for name in ("batch_size", "eval_batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if (self.bootstrap != 0 and self.bootstrap < 2) or self.bootstrap_seed < 0:
-            raise ValueError(f"bootstrap (--bootstrap) must be 0 (no FID interval) or >= 2 resamples, and bootstrap_seed "
-                             f">= 0; got {self.bootstrap} and {self.bootstrap_seed}.")
+                raise InvalidInput(f"{name} must be >= 1, got {getattr(self, name)}.", parameters=name)
+        if self.bootstrap != 0 and self.bootstrap < 2:
+            raise InvalidInput(f"bootstrap must be 0 (no FID interval) or >= 2 resamples, got {self.bootstrap}.",
+                               parameters="bootstrap")
+        if self.bootstrap_seed < 0:
+            raise InvalidInput(f"bootstrap_seed must be >= 0, got {self.bootstrap_seed}.", parameters="bootstrap_seed")
         if self.attention not in ATTENTION_PATHS:
-            raise ValueError(f"attention={self.attention!r}; choose one of {list(ATTENTION_PATHS)}.")
+            raise InvalidInput(f"attention={self.attention!r}; choose one of {list(ATTENTION_PATHS)}.",
+                               parameters="attention")
         if self.save_samples and self.output_dir is None:
-            raise ValueError("save_samples=True needs an output_dir.")
+            raise InvalidInput("save_samples=True needs an output_dir.", parameters=("save_samples", "output_dir"))
         check_device(self.device)
         if self.output_dir is not None:
-            check_folder_path(self.output_dir, "output_dir (--output)")
+            check_folder_path(self.output_dir, "output_dir")
         if self.cache_dir is not None and self.use_cache:
-            check_folder_path(self.cache_dir, "cache_dir (--cache-dir)")
+            check_folder_path(self.cache_dir, "cache_dir")
 
 
 @dataclass
@@ -279,42 +284,57 @@ def _resolve_extractor(extractor: nn.Module | None, settings: SweepSettings) -> 
     return load_inception(settings.inception_weights, download=settings.download)
 
 
-def check_plans(pipe: MoHDiTPipeline, plans: Sequence[RatioPlan], settings: SampleSettings) -> None:
-    """The model's limits on a sweep, before any work: the step count within its diffusion
-    steps, and the pipeline's own rules (scheduler / model agreement, ...) at every ratio."""
-    train_steps = int(getattr(pipe.scheduler.config, "num_train_timesteps", 1000))
-    if settings.num_inference_steps > train_steps:
-        raise ValueError(
-            f"num_inference_steps (--num-inference-steps) {settings.num_inference_steps} is more than the "
-            f"{train_steps} diffusion steps the model was trained with; use 1..{train_steps}."
-        )
-    for plan in plans:
-        check_settings(pipe, dataclasses.replace(settings, head_activation_ratio=plan.setting))
+def plan_sweep(pipe: MoHDiTPipeline, ratios: Sequence[float | str] | str, images: SampleSettings,
+               match_flops: bool = False) -> list[RatioPlan]:
+    """The sweep's plans (:func:`plan_ratios`) on ``pipe``, with every input checked once before any
+    work: what decides the images by the pipeline's own check of a call (guidance, steps within the
+    model's diffusion steps, scheduler / model agreement, ...), the ratios and every step of a
+    schedule against the model's reachable range by the planning. InvalidInput names the input."""
+    check_settings(pipe, dataclasses.replace(images, head_activation_ratio=None))  # each plan's ratio: planned below
+    timesteps = pipe.sampling_timesteps(images.num_inference_steps, None)
+    return plan_ratios(pipe.transformer, ratios, timesteps, match_flops=match_flops)
+
+
+def check_sample_count(num_samples: int, extractor: nn.Module | None = None) -> None:
+    """Enough images for the metrics (precision / recall use the k nearest neighbours), and the
+    features of all of them within the machine's memory (they are kept for the metrics)."""
+    if num_samples < ADM_K + 1:
+        raise InvalidInput(f"num_samples must be >= {ADM_K + 1} (precision/recall use k={ADM_K}), got {num_samples}.",
+                           parameters="num_samples")
+    try:
+        check_feature_memory(num_samples, f"num_samples {num_samples}",
+                             "use a smaller num_samples (the features of every image are kept for the metrics)",
+                             extractor)
+    except ValueError as err:
+        raise InvalidInput(str(err), parameters="num_samples") from None
 
 
 def check_device(device: torch.device | str) -> torch.device:
-    """``device`` as a ``torch.device`` that exists here; ValueError naming it otherwise."""
+    """``device`` as a ``torch.device`` that exists here; InvalidInput naming it otherwise."""
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device (--device) {device!r} is not a torch device; use cpu, cuda or cuda:N.") from None
+        raise InvalidInput(f"device {device!r} is not one torch knows; use cpu, cuda or cuda:N.",
+                           parameters="device") from None
     if parsed.type == "cpu":
         return parsed
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device (--device) {device!r} but CUDA is not available; use cpu.")
+            raise InvalidInput(f"device {device!r} but CUDA is not available; use cpu.", parameters="device")
         if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise ValueError(f"device (--device) {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s).")
+            raise InvalidInput(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA devices.",
+                               parameters="device")
         return parsed
     backend = getattr(torch, parsed.type, None)
     if not (backend is not None and hasattr(backend, "is_available") and backend.is_available()):
-        raise ValueError(f"device (--device) {device!r} is not available here; use cpu or cuda.")
+        raise InvalidInput(f"device {device!r} is not available here; use cpu or cuda.", parameters="device")
     return parsed
 
 
-def check_folder_path(path: PathLike, what: str) -> None:
-    """Refuse a folder path (``~`` expanded) that is a file or lies under one, before anything is made."""
-    _refuse_file_path(Path(path).expanduser(), what)
+def check_folder_path(path: PathLike, parameter: str) -> None:
+    """Refuse a folder path (``~`` expanded) that is a file or lies under one, before anything is
+    made; InvalidInput names ``parameter``."""
+    _refuse_file_path(Path(path).expanduser(), parameter, error=functools.partial(InvalidInput, parameters=parameter))
 
 
 def _ratio_dir(output_dir: Path, plan: RatioPlan) -> Path:
@@ -326,12 +346,12 @@ def _ratio_dir(output_dir: Path, plan: RatioPlan) -> Path:
     return output_dir / name
 
 
-def _load_model(model: MoHDiTPipeline | PathLike, settings: SweepSettings) -> tuple[MoHDiTPipeline, str]:
-    """The pipeline to sweep and the model's name in the results."""
+def _load_model(model: MoHDiTPipeline | PathLike, settings: SweepSettings, label: str | None) -> tuple[MoHDiTPipeline, str]:
+    """The pipeline to sweep and the model's name in the results (``label``, if given)."""
     if isinstance(model, MoHDiTPipeline):
-        return model, str(model.transformer.config.get("_name_or_path") or "<in-memory pipeline>")
+        return model, label or str(model.transformer.config.get("_name_or_path") or "<in-memory pipeline>")
     pipe = load_pipeline(model, vae=settings.vae, scheduler=settings.scheduler, dtype=settings.dtype)
-    return pipe, str(Path(model).resolve())
+    return pipe, label or str(Path(model).resolve())
 
 
 def _refuse_earlier_samples(plans: Sequence[RatioPlan], settings: SweepSettings) -> None:
@@ -341,7 +361,8 @@ def _refuse_earlier_samples(plans: Sequence[RatioPlan], settings: SweepSettings)
     for plan in plans:
         folder = _ratio_dir(Path(settings.output_dir), plan) / "samples"
         if folder.is_dir() and any(folder.glob("*.png")):
-            raise ValueError(f"{folder} already holds samples; use a new --output-dir or delete it.")
+            raise InvalidInput(f"{folder} already holds samples; use a new output_dir or delete it.",
+                               parameters="output_dir")
 
 
 def _reference_statistics(
@@ -518,11 +539,13 @@ def sweep_head_activation(
     settings: SweepSettings | None = None,
     extractor: nn.Module | None = None,
     log: Callable[[str], None] | None = logger.info,
+    model_label: str | None = None,
 ) -> SweepResult:
     """Sample and evaluate ``model`` at each head activation ratio of ``ratios``.
 
     ``model``: a :class:`MoHDiTPipeline` (moved to ``settings.device``) or a transformer /
-    pipeline folder (loaded as ``settings`` says). ``ratios``: numbers in (0, 1],
+    pipeline folder (loaded as ``settings`` says). ``model_label``: the model's name in the results
+    (default: the folder's resolved path, or a pipeline's ``_name_or_path``). ``ratios``: numbers in (0, 1],
     ``"trained"``, ``"min"`` and head-activation schedules' specs (:func:`plan_ratios`). ``reference``: an ADM reference batch,
     an image folder / ``.npz``, or :class:`ReferenceStatistics`; its statistics are computed
     once. ``images``: what decides image ``i`` (its ``head_activation_ratio`` is each plan's;
@@ -537,17 +560,11 @@ def sweep_head_activation(
     table).
     """
     settings = SweepSettings() if settings is None else settings
-    if images.num_samples < ADM_K + 1:
-        raise ValueError(f"num_samples must be >= {ADM_K + 1} (precision/recall use k={ADM_K}), got {images.num_samples}.")
-    check_feature_memory(images.num_samples, f"num_samples (--num-samples) {images.num_samples}",
-                         "sweep fewer images (the features of every image are kept for the metrics)", extractor)
+    check_sample_count(images.num_samples, extractor)
     if not isinstance(reference, ReferenceStatistics) and not Path(reference).exists():
-        raise FileNotFoundError(f"reference not found: {reference}")
-    pipe, model_label = _load_model(model, settings)
-    timesteps = pipe.sampling_timesteps(images.num_inference_steps, None) if any(
-        is_schedule(r) for r in parse_ratios(ratios)) else None
-    plans = plan_ratios(pipe.transformer, ratios, timesteps, match_flops=settings.match_flops)
-    check_plans(pipe, plans, images)
+        raise InputNotFound(f"reference not found: {reference}", parameters="reference")
+    pipe, model_label = _load_model(model, settings, model_label)
+    plans = plan_sweep(pipe, ratios, images, match_flops=settings.match_flops)
     _refuse_earlier_samples(plans, settings)
     classifier = _resolve_classifier(settings)
     labels = None

@@ -1,6 +1,6 @@
 """What a head-activation sweep runs: its ratios and schedules, resolved on the model, and their FLOPs.
 
-``--ratios`` lists constant ratios (numbers in (0, 1], ``trained``, ``min``) and head-activation
+A sweep's ``ratios`` list constant ratios (numbers in (0, 1], ``trained``, ``min``) and head-activation
 schedules (``linear:0.5:1.0``, ``cosine:1.0:0.5``, ``step:0.5@t>500,1.0``;
 :mod:`moh_dit.models.head_schedule`). :func:`plan_ratios` resolves each to a :class:`RatioPlan`:
 the realised per-layer top-K of a constant ratio, or a schedule's per-step top-K and mean
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Sequence
 
+from ..errors import InvalidInput
 from ..models import flops
 from ..models.head_activation import preview_head_activation
 from ..models.head_schedule import (HeadActivationPlan, SCHEDULE_EXAMPLES, is_schedule_spec, parse_schedule,
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 RATIO_KEYWORDS = ("trained", "min")
+_EXAMPLE = "ratios trained,1.0,0.75,min"  # the word ratios is the parameter (a command shows its flag)
 DEFAULT_RATIOS: tuple[float | str, ...] = ("trained", 1.0, 0.9, 0.75, 0.6, "min")
 
 
@@ -67,16 +69,16 @@ def parse_ratios(text: str | Sequence[float | str]) -> list[float | str]:
             try:
                 item = float(item)
             except ValueError:
-                raise ValueError(
+                raise InvalidInput(
                     f"ratio {item!r} is neither a number, one of {RATIO_KEYWORDS}, nor a schedule "
-                    f"({SCHEDULE_EXAMPLES}); e.g. --ratios trained,1.0,0.75,min"
+                    f"({SCHEDULE_EXAMPLES}); e.g. {_EXAMPLE}", parameters="ratios",
                 ) from None
         value = float(item)
         if not (math.isfinite(value) and 0.0 < value <= 1.0):
-            raise ValueError(f"head activation ratio {value} must be in (0, 1] (--ratios takes e.g. trained,1.0,0.75,min).")
+            raise InvalidInput(f"head activation ratio {value} must be in (0, 1]; e.g. {_EXAMPLE}", parameters="ratios")
         ratios.append(value)
     if not ratios:
-        raise ValueError(f"no ratios given ({text!r}); e.g. --ratios trained,1.0,0.75,min")
+        raise InvalidInput(f"no ratios given ({text!r}); e.g. {_EXAMPLE}", parameters="ratios")
     return ratios
 
 
@@ -156,14 +158,15 @@ def _constant_value(transformer: MoHDiTTransformer2DModel, ratio: float | str) -
     value = {"trained": transformer.trained_head_activation_ratio, "min": low}.get(ratio, ratio)
     value = float(value)
     if not transformer.is_moh and abs(value - 1.0) > 1e-9:
-        raise ValueError(
+        raise InvalidInput(
             f"ratio {_label(ratio)} requested for a dense DiT: without routed heads its head activation ratio "
-            "is always 1.0. Sweep a MoH-DiT model, or pass --ratios 1.0."
+            "is always 1.0. Sweep a MoH-DiT model, or give ratios 1.0.", parameters="ratios",
         )
     if not low - 1e-9 <= value <= high + 1e-9:
-        raise ValueError(
+        raise InvalidInput(
             f"ratio {_label(ratio)} is outside this model's reachable range [{low:.4f}, {high:.4f}] (shared heads "
-            "are always active); use ratios in that range, or 'min' for the lowest. Nothing was sampled."
+            "are always active); give ratios in that range, or 'min' for the lowest. Nothing was sampled.",
+            parameters="ratios",
         )
     return value
 
@@ -182,7 +185,7 @@ def plan_ratios(
     ``linear:0.75:0.75``) collapse into one plan. ``match_flops`` adds, for each schedule, the
     realisable constant ratio of closest attention FLOPs (:func:`_flop_matched_constant`). Plans
     are sorted by realised ratio, highest first, constants before schedules. The model is left
-    as it was. Raises ValueError for a ratio or a schedule's step outside the reachable range
+    as it was. Raises InvalidInput for a ratio or a schedule's step outside the reachable range
     (naming it) and for any ratio other than 1.0 on a dense DiT.
     """
     ratios = parse_ratios(ratios)
@@ -198,7 +201,8 @@ def plan_ratios(
     for ratio in ratios:
         if is_schedule(ratio):
             if timesteps is None:
-                raise ValueError(f"schedule {ratio} needs the sampling timesteps to be planned (pass timesteps=).")
+                raise InvalidInput(f"schedule {ratio} needs the sampling timesteps to be planned (pass timesteps).",
+                                   parameters="timesteps")
             plan = plan_head_activation(transformer, parse_schedule(ratio), timesteps)
             if plan.is_constant:  # the images of a constant ratio
                 add(tuple(plan.top_k[0]), ratio, lambda: RatioPlan([ratio], plan.realised[0], list(plan.top_k[0])))
