@@ -25,7 +25,6 @@ and it restores the model's per-layer top-K on exit, also on error.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections import abc
 import json
 import numbers
@@ -384,8 +383,7 @@ def check_or_write_settings(
 
 def _check_output_folder(output: Path) -> None:
     """Refuse an output that is a file, or that lies under a file, before anything is made."""
-    check_folder_path(output, "output_dir", "give a folder (it is created if missing)",
-                      error=functools.partial(InvalidInput, parameters="output_dir"))
+    check_folder_path(output, "output_dir", "give a folder (it is created if missing)")  # InvalidInput naming it
 
 
 # --------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import re
 import time
@@ -334,7 +333,7 @@ def check_device(device: torch.device | str) -> torch.device:
 def check_folder_path(path: PathLike, parameter: str) -> None:
     """Refuse a folder path (``~`` expanded) that is a file or lies under one, before anything is
     made; InvalidInput names ``parameter``."""
-    _refuse_file_path(Path(path).expanduser(), parameter, error=functools.partial(InvalidInput, parameters=parameter))
+    _refuse_file_path(Path(path).expanduser(), parameter)
 
 
 def _ratio_dir(output_dir: Path, plan: RatioPlan) -> Path:
