@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import moh_dit.training.trainer as trainer
 from moh_dit import MoHDiTTransformer2DModel
+from moh_dit.errors import InvalidInput
 from moh_dit.models.presets import PRESETS
 from moh_dit.training import TrainConfig, train
 
@@ -43,6 +44,17 @@ def config(out: Path, data: Path, **kw) -> TrainConfig:
                 ema_decay=0.9)
     base.update(kw)
     return TrainConfig(**base)
+
+
+def refused(root: Path, call, *parameters, mentions=()):
+    """``call()`` raises InvalidInput naming ``parameters`` (its ``parameters``) and ``mentions``
+    (in its message), with nothing under ``root`` written or changed."""
+    before = {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+    with pytest.raises(InvalidInput) as raised:
+        call()
+    assert set(parameters) <= set(raised.value.parameters), (raised.value.parameters, str(raised.value))
+    assert all(str(fact) in str(raised.value) for fact in mentions), str(raised.value)
+    assert {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))} == before
 
 
 def cli_args(out, data, *extra):
@@ -136,19 +148,18 @@ def custom(tmp_path_factory, randomize):
     return save_upcycled(moh, report, tmp_path_factory.mktemp("custom") / "model")
 
 
-def test_a_layout_of_its_own_trains_from_init_from_without_a_preset_and_resumes(tmp_path, data, custom, load_script,
-                                                                                 refuses):
+def test_a_layout_of_its_own_trains_from_init_from_without_a_preset_and_resumes(tmp_path, data, custom, load_script):
     saved = json.loads((custom / "config.json").read_text())
     assert (saved["num_shared_heads"], saved["top_k"]) == (LAYOUT["num_shared_heads"], LAYOUT["top_k"])
     assert not any(p.get("num_shared_heads") == LAYOUT["num_shared_heads"] and p.get("top_k") == LAYOUT["top_k"]
                    for p in PRESETS.values())
     run = tmp_path / "run"
     # a preset that is not the folder's layout: refused, naming what differs
-    refuses("train", cli_args(run, data, "--init-from", custom, "--preset", "MoH-DiT-Tiny"),
-            r"does not fit --preset MoH-DiT-Tiny on this data: num_shared_heads")
-    refuses("train", cli_args(run, data, "--init-from", custom, "--image-size", 8),
-            r"--init-from .* does not fit this data: sample_size 16 there, 8 here")
-    refuses("train", cli_args(run, data), r"Give --preset .*or --init-from a saved model folder")
+    refused(tmp_path, lambda: train(config(run, data, init_from=str(custom))), "init_from", "preset",
+            mentions=(custom, "MoH-DiT-Tiny", "num_shared_heads"))
+    refused(tmp_path, lambda: train(config(run, data, preset=None, init_from=str(custom), image_size=8)), "init_from",
+            mentions=(custom, "sample_size 16 there, 8 here"))
+    refused(tmp_path, lambda: train(config(run, data, preset=None)), "preset", "init_from")
 
     script = load_script("train")
     assert script.cli([str(a) for a in cli_args(run, data, "--init-from", custom, "--router-warmup-steps", 1)]) == 0
@@ -164,10 +175,12 @@ def test_a_layout_of_its_own_trains_from_init_from_without_a_preset_and_resumes(
 
     # the resume takes the run's recorded model: no --preset, no --init-from; a preset or an
     # image size that is not the run's is refused against the checkpoint's model
-    refuses("train", cli_args(run, data, "--resume", "latest", "--max-steps", 4, "--router-warmup-steps", 1,
-                              "--preset", "MoH-DiT-Tiny"), r"differs from checkpoint .*num_shared_heads")
-    refuses("train", cli_args(run, data, "--resume", "latest", "--max-steps", 4, "--router-warmup-steps", 1,
-                              "--image-size", 8), r"differs from checkpoint .*sample_size 16 there, 8 now")
+    def resumed(**kw):
+        return lambda: train(config(run, data, resume="latest", max_steps=4, router_warmup_steps=1, **kw))
+
+    refused(tmp_path, resumed(), "preset", mentions=(run / "checkpoints", "num_shared_heads"))
+    refused(tmp_path, resumed(preset=None, image_size=8), "image_size",
+            mentions=(run / "checkpoints", "sample_size 16 there, 8 now"))
     assert script.cli([str(a) for a in cli_args(run, data, "--resume", "latest", "--max-steps", 4,
                                                 "--router-warmup-steps", 1)]) == 0
     assert [json.loads(line)["step"] for line in (run / "train_log.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
@@ -175,8 +188,7 @@ def test_a_layout_of_its_own_trains_from_init_from_without_a_preset_and_resumes(
     assert record["preset"] is None and record["model_config"]["top_k"] == LAYOUT["top_k"]
 
 
-def test_the_resume_without_a_preset_is_exact_and_a_dense_layout_refuses_router_warmup(tmp_path, data, custom,
-                                                                                        refuses, load_script):
+def test_the_resume_without_a_preset_is_exact_and_a_dense_layout_refuses_router_warmup(tmp_path, data, custom):
     """4 steps straight == 2 steps from --init-from, then --resume latest (no preset) to 4; and
     router warm-up of a folder holding a dense DiT is refused before anything is written."""
     train(config(tmp_path / "one", data, preset=None, init_from=str(custom), max_steps=4))
@@ -188,12 +200,12 @@ def test_the_resume_without_a_preset_is_exact_and_a_dense_layout_refuses_router_
 
     dense = MoHDiTTransformer2DModel.from_preset("DiT-Tiny", sample_size=16, num_classes=3)
     dense.save_pretrained(tmp_path / "dense")
-    refuses("train", cli_args(tmp_path / "dense_run", data, "--init-from", tmp_path / "dense",
-                              "--router-warmup-steps", 2), r"--router-warmup-steps 2: the model of --init-from .* is a "
-            "dense DiT without routers")
+    refused(tmp_path, lambda: train(config(tmp_path / "dense_run", data, preset=None, init_from=str(tmp_path / "dense"),
+                                           router_warmup_steps=2)),
+            "router_warmup_steps", "init_from", mentions=(tmp_path / "dense", "dense DiT"))
     # a resume into a folder without a run needs a preset to start one
-    refuses("train", cli_args(tmp_path / "empty", data, "--resume", "latest"),
-            r"holds no run to take the model from; give --preset")
+    refused(tmp_path, lambda: train(config(tmp_path / "empty", data, preset=None, resume="latest")), "preset",
+            mentions=(tmp_path / "empty",))
 
 
 # ------------------------------------------------------------------ the head-usage figure at sample steps

@@ -32,49 +32,129 @@ import os
 import sys
 import typing
 
+from moh_dit.errors import MoHDiTError
+from moh_dit.models.presets import PRESETS
 from moh_dit.utils.cli import ArgumentParser, EXPECTED_ERRORS, command, environment_fault, run_cli
 from moh_dit.utils.logging import get_logger
-from moh_dit.training import TrainConfig, TrainingDivergedError, preflight, train
+from moh_dit.utils.speed import COMPILE_MODES
+from moh_dit.training import TrainConfig, preflight, train
+from moh_dit.training.config import (ACCUMULATION_ENV, DEFAULT_GLOBAL_BATCH_SIZE, DEFAULT_IMAGE_SIZE, DEFAULT_VAE,
+                                     MIXED_PRECISIONS, ON_CORRUPT)
+from moh_dit.training.schedules import LR_SCHEDULERS
+from moh_dit.training.tracking import REPORT_TO
 
 logger = get_logger(__name__)
 
-# The order --help lists the flags in (each TrainConfig field with a flag, once; checked).
-HELP_ORDER = ("preset", "data_dir", "latents_dir", "vae", "vae_subfolder", "image_size", "output_dir", "max_steps",
-              "global_batch_size", "train_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler",
-              "warmup_steps", "weight_decay", "max_grad_norm",
-              "checkpoint_every", "checkpoints_total_limit", "resume", "init_from", "router_warmup_steps",
-              "mixed_precision", "allow_tf32", "seed", "lb_coeff", "ema_decay", "ema_warmup", "ema_inv_gamma",
-              "ema_power", "class_dropout",
-              "gradient_checkpointing", "compile", "compile_per_block", "compile_mode", "num_workers", "on_corrupt",
-              "random_flip", "log_every", "sample_every", "sample_steps", "report_to")
+
+def _zero_is_none(value: int | None) -> int | None:
+    return value or None
+
+
+# Each TrainConfig field's flag, in the order --help lists them: its help, and where needed its
+# spelling (flag: when not --field-name; the destination is always the field's name, which is how
+# the library's errors name it), choices, metavar, either-or group (one_of), negation (a boolean
+# whose flag turns it off), a map of the parsed value onto the field's (from_flag), whether the
+# command line must give it, and diffusers' example scripts' spellings (aliases, not in --help).
+# Defaults and types are TrainConfig's. Every field but adam_betas and model_overrides has one.
+FLAGS: dict[str, dict[str, typing.Any]] = {
+    "preset": dict(choices=tuple(PRESETS), metavar="PRESET", help=f"model preset: {', '.join(PRESETS)}. Optional with "
+                   "--init-from (the architecture is then the folder's config.json; a preset given must match it) and "
+                   "with --resume (the run's recorded model)"),
+    "data_dir": dict(help="ImageFolder: one sub-folder of images per class", one_of="data",
+                     aliases=("--train_data_dir",)),
+    "latents_dir": dict(help="latent cache written by moh-dit extract-latents", one_of="data"),
+    "vae": dict(help=f"AutoencoderKL hub id or local folder, or 'none' for pixel space (default: {DEFAULT_VAE}; with "
+                "--latents-dir, the cache's VAE)"),
+    "vae_subfolder": dict(help="subfolder of --vae holding the VAE (e.g. 'vae' of a pipeline)"),
+    "image_size": dict(help=f"image size in pixels (default: {DEFAULT_IMAGE_SIZE}; with --latents-dir, the size the "
+                       "cache was made at)", aliases=("--resolution",)),
+    "output_dir": dict(required=True),
+    "max_steps": dict(help="optimiser steps of the whole run (default: %(default)s)", aliases=("--max_train_steps",)),
+    "global_batch_size": dict(help=f"images per optimiser step over all processes (default: "
+                              f"{DEFAULT_GLOBAL_BATCH_SIZE}, or --train-batch-size x processes x "
+                              "--gradient-accumulation-steps)"),
+    "train_batch_size": dict(help="images per process in one forward pass (diffusers' --train_batch_size); the global "
+                             "batch is this x processes x --gradient-accumulation-steps"),
+    "gradient_accumulation_steps": dict(help="forward/backward passes per optimiser step; the loss is scaled so that "
+                                        f"the step equals one of the whole batch (default: {ACCUMULATION_ENV} when "
+                                        "set, else 1; accelerate launch's --gradient_accumulation_steps is a "
+                                        "DeepSpeed option that never reaches this trainer)"),
+    "learning_rate": dict(),
+    "lr_scheduler": dict(choices=LR_SCHEDULERS, help="diffusers.optimization's LR schedule over --max-steps "
+                         "(default: %(default)s)"),
+    "warmup_steps": dict(help="LR warm-up steps of --lr-scheduler (default: %(default)s)",
+                         aliases=("--lr_warmup_steps",)),
+    "weight_decay": dict(),
+    "max_grad_norm": dict(help="clip gradients to this norm (default: off, as DiT)"),
+    "checkpoint_every": dict(aliases=("--checkpointing_steps",)),
+    "checkpoints_total_limit": dict(help="keep this many newest checkpoints of this run (0: all; default: "
+                                    "%(default)s)", from_flag=_zero_is_none),
+    "resume": dict(help="'latest' (the newest intact checkpoint of --output-dir; falls back past damaged ones), "
+                   "checkpoint-N (its checkpoint of step N, as in diffusers' scripts) or a checkpoint folder",
+                   aliases=("--resume_from_checkpoint",)),
+    "init_from": dict(help="start a new run from the weights of a saved model folder (moh-dit upcycle's output; a "
+                      "run's final/ or another pipeline folder: its transformer); new optimiser, EMA starting as a "
+                      "copy of them; not with --resume"),
+    "router_warmup_steps": dict(help="MoH presets: train only the router parameters for the first N steps "
+                                "(default: %(default)s)"),
+    "mixed_precision": dict(choices=MIXED_PRECISIONS, help="default: accelerate's choice (accelerate launch "
+                            "--mixed_precision or its config, which set ACCELERATE_MIXED_PRECISION), else no"),
+    "allow_tf32": dict(flag="--no-tf32", negated=True, help="disable TF32 matmuls on Ampere+ GPUs"),
+    "seed": dict(),
+    "lb_coeff": dict(help="weight of the MoH load-balance loss"),
+    "ema_decay": dict(help="EMA decay; without --ema-warmup the EMA starts as an exact copy and decays at this rate "
+                      "from the first step, as DiT (default: %(default)s)"),
+    "ema_warmup": dict(help="diffusers' EMAModel warm-up: decay min(--ema-decay, 1 - (1 + t / --ema-inv-gamma) ** "
+                       "-(--ema-power)) at step t, so short runs get a useful EMA"),
+    "ema_inv_gamma": dict(help="with --ema-warmup (default: %(default)s)"),
+    "ema_power": dict(help="with --ema-warmup: 2/3 suits runs of a million steps, 3/4 shorter ones (default: 2/3)"),
+    "class_dropout": dict(help="label dropout for classifier-free guidance"),
+    "gradient_checkpointing": dict(),
+    "compile": dict(help="torch.compile the transformer (the first steps take longer while it compiles; checkpoints "
+                    "are the same as without it, so a run may resume with or without the flag)"),
+    "compile_per_block": dict(help="with --compile: compile each transformer block instead of the whole model "
+                              "(compiles faster)"),
+    "compile_mode": dict(choices=COMPILE_MODES, help="with --compile: torch.compile's mode (default: torch's "
+                         "default)"),
+    "num_workers": dict(aliases=("--dataloader_num_workers",)),
+    "on_corrupt": dict(choices=ON_CORRUPT, help="unreadable images: stop with the file name (default) or skip and "
+                       "count them"),
+    "random_flip": dict(flag="--no-flip", negated=True, help="disable random horizontal flips"),
+    "log_every": dict(),
+    "sample_every": dict(help="save an EMA sample grid every N steps (0: off)"),
+    "sample_steps": dict(help="DDPM steps of the monitoring grid"),
+    "report_to": dict(choices=REPORT_TO, help="experiment tracker (default: tensorboard if it is installed, else "
+                      "none); one that is asked for must be installed"),
+}
 
 
 def _flag_fields() -> dict[str, dataclasses.Field]:
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig) if "flag" in f.metadata}
-    if sorted(fields) != sorted(HELP_ORDER):
-        raise AssertionError(f"HELP_ORDER lists {sorted(HELP_ORDER)}, TrainConfig's flags are {sorted(fields)}")
-    return {name: fields[name] for name in HELP_ORDER}
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name not in ("adam_betas", "model_overrides")}
+    if sorted(fields) != sorted(FLAGS):
+        raise AssertionError(f"FLAGS lists {sorted(FLAGS)}, TrainConfig's options are {sorted(fields)}")
+    return {name: fields[name] for name in FLAGS}
 
 
 def _add_flag(parser, f: dataclasses.Field, value_type: type, root: ArgumentParser) -> None:
     """``f``'s flag on ``parser`` (``root`` or one of its groups): spelling, help, choices and
-    aliases from its metadata, default and type from the field."""
-    meta = f.metadata
-    name = meta["flag"] or "--" + f.name.replace("_", "-")
-    kwargs = {"dest": f.name, "help": meta["help"]}
+    aliases from FLAGS, default and type from the field; its destination is the field's name."""
+    meta = FLAGS[f.name]
+    name = meta.get("flag") or "--" + f.name.replace("_", "-")
+    kwargs = {"dest": f.name, "help": meta.get("help")}
     if value_type is bool:
-        kwargs.update(action="store_false" if meta["negated"] else "store_true")
-    elif meta["required"]:
+        kwargs.update(action="store_false" if meta.get("negated") else "store_true")
+    elif meta.get("required"):
         kwargs.update(required=True)
     else:
         kwargs.update(default=f.default)
     if value_type in (int, float):
         kwargs["type"] = value_type
-    for key in ("choices", "metavar"):
-        if meta[key] is not None:
-            kwargs[key] = list(meta[key]) if key == "choices" else meta[key]
+    if "choices" in meta:
+        kwargs["choices"] = list(meta["choices"])
+    if "metavar" in meta:
+        kwargs["metavar"] = meta["metavar"]
     parser.add_argument(name, **kwargs)
-    for alias in meta["aliases"]:
+    for alias in meta.get("aliases", ()):
         root.add_alias(alias, name)
 
 
@@ -83,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     hints = typing.get_type_hints(TrainConfig)
     groups: dict[str, typing.Any] = {}
     for f in _flag_fields().values():
-        one_of = f.metadata["one_of"]
+        one_of = FLAGS[f.name].get("one_of")
         if one_of is not None and one_of not in groups:
             groups[one_of] = p.add_mutually_exclusive_group(required=True)
         value_type = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
@@ -96,8 +176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = {}
-    for name, f in _flag_fields().items():
-        convert = f.metadata["from_flag"]
+    for name in _flag_fields():
+        convert = FLAGS[name].get("from_flag")
         values[name] = getattr(args, name) if convert is None else convert(getattr(args, name))
     return TrainConfig(**values)
 
@@ -118,6 +198,8 @@ def main(args: argparse.Namespace) -> int:
         fault = None if isinstance(error, MachineFaultError) else environment_fault(error)
         if fault is None:
             raise
+        # A fault the trainer explained names the option to resume with (its parameters): as its flag here.
+        fault = MoHDiTError(fault, parameters=getattr(error, "parameters", ())).for_command(ArgumentParser.last_flags)
         raise MachineFaultError(error.errno, fault) from error
 
 
@@ -137,7 +219,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
-    return run_cli(main, parse_args, argv, errors=(*EXPECTED_ERRORS, OSError, TrainingDivergedError))
+    return run_cli(main, parse_args, argv, errors=(*EXPECTED_ERRORS, OSError))
 
 
 if __name__ == "__main__":

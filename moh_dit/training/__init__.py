@@ -9,33 +9,41 @@ loss = MSE(eps) + VB, plus ``lb_coeff`` times the model's load-balance loss.
 
 The run folder (docs/training.md) belongs to one run: while ``train`` runs it holds an
 OS lock on ``OUT/.lock``; a second run into the folder, or a new run over a finished one,
-is refused. To resume, run the same command again with ``--resume latest``: checkpoints
-hold the model, EMA, optimiser, LR schedule, step, data position and every process's RNG
-states, so a resumed run continues bit for bit (tested on CPU, with one and two processes).
+is refused. To resume, call ``train`` again with ``resume="latest"``: checkpoints hold the
+model, EMA, optimiser, LR schedule, step, data position and every process's RNG states, so
+a resumed run continues bit for bit (tested on CPU, with one and two processes).
 Checkpoints are safetensors and JSON only -- nothing is unpickled -- written into a temporary
 folder that is renamed into place when complete; their marker ``checkpoint.json`` records
 every file's size and SHA-256, which a resume checks before it loads anything.
 
-Reading order of the modules (a resume crosses the first three, from ``moh-dit train``):
+Reading order of the modules (a resume crosses the first two, from ``moh-dit train``):
 
-- ``trainer``: :func:`train`, one run top to bottom -- set up, resume, loop, checkpoint, finish;
-- ``run_folder``: the run's plan (new run, resume, refusals), its lock and its record;
-- ``checkpoints``: writing, verifying, loading and rotating checkpoints, and the work all
+- ``trainer``: :func:`train`, one run top to bottom -- set up, resume, loop, checkpoint,
+  finish -- the folder's lock, and :func:`preflight` (a dry run);
+- ``checkpoints``: where a run starts (:func:`find_start`, every refusal), saving, verifying,
+  loading (:func:`resume`) and rotating checkpoints, the run record, and the work all
   processes share;
-- ``config``: :class:`TrainConfig`, every option (with its flag's help), checked before any
-  work, and the errors a run raises;
+- ``config``: :class:`TrainConfig`, every option, checked before any work;
 - ``schedules``: what changes with the step: the LR schedule (diffusers') and the EMA decay;
-- ``tracking``: ``--report-to`` through accelerate's trackers.
+- ``tracking``: ``report_to`` through accelerate's trackers.
+
+Errors are :mod:`moh_dit.errors`' (``TrainingDiverged``, ``FolderInUse``, ``DamagedFile``,
+``InvalidInput``, ``OutputExists``); the names this package gave the first three before
+remain as aliases.
 """
 
 from __future__ import annotations
 
-from .checkpoints import (CHECKPOINT_FORMAT, CHECKPOINT_PREFIX, COMPLETE_MARKER, EMA_FILE, MODEL_FILE, OPTIMIZER_FILE,
-                          REQUIRED_FILES, RNG_FILE, SCALER_FILE, SCHEDULER_FILE, STATE_FILE, find_latest_checkpoint,
-                          verify_checkpoint)
-from .config import DIFFUSION_STEPS, CheckpointIntegrityError, RunFolderBusyError, TrainConfig, TrainingDivergedError
-from .run_folder import LOCK_FILE, LOG_FILES, RUN_RECORD, preflight
-from .trainer import sample_grid, train, update_ema
+from ..errors import DamagedFile, FolderInUse, TrainingDiverged
+from .checkpoints import (CHECKPOINT_FORMAT, CHECKPOINT_PREFIX, COMPLETE_MARKER, EMA_FILE, LOG_FILES, MODEL_FILE,
+                          OPTIMIZER_FILE, REQUIRED_FILES, RNG_FILE, RUN_RECORD, SCALER_FILE, SCHEDULER_FILE, STATE_FILE,
+                          find_latest_checkpoint, verify_checkpoint)
+from .config import DIFFUSION_STEPS, TrainConfig
+from .trainer import LOCK_FILE, preflight, sample_grid, train, update_ema
+
+TrainingDivergedError = TrainingDiverged
+RunFolderBusyError = FolderInUse
+CheckpointIntegrityError = DamagedFile
 
 __all__ = ["TrainConfig", "train", "find_latest_checkpoint", "verify_checkpoint", "preflight", "TrainingDivergedError",
            "RunFolderBusyError", "CheckpointIntegrityError"]

@@ -1,8 +1,8 @@
-"""Experiment trackers (``--report-to``) through accelerate's tracker API.
+"""Experiment trackers (``report_to``) through accelerate's tracker API.
 
 A tracker that is asked for but not installed stops the run before any work, naming what to
 install: accelerate alone would warn once and train with no tracking at all. Without
-``--report-to`` the run uses TensorBoard when it is installed (the default of diffusers'
+``report_to`` the run uses TensorBoard when it is installed (the default of diffusers'
 example scripts) and no tracker otherwise, and says which. Images (the sample grids, and a MoH
 model's head-usage figure at the same steps) go to the trackers that take them.
 """
@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
+from ..errors import InvalidInput
 from ..utils.io import write_bytes_atomic
 
-# The trackers --report-to offers, each with what installs it.
+# The trackers report_to offers, each with what installs it.
 INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install wandb"}
 REPORT_TO = (*INSTALL, "none")
 
@@ -32,15 +33,16 @@ def available_trackers() -> set[str]:
 def check_installed(report_to: str | None) -> None:
     """Refuse a requested tracker that is not installed (before any work)."""
     if report_to in INSTALL and report_to not in available_trackers():
-        raise ValueError(f"--report-to {report_to}: {report_to} is not installed. Install it with "
-                         f"{INSTALL[report_to]}, or pass --report-to none to train without a tracker.")
+        raise InvalidInput(f"report_to {report_to}: {report_to} is not installed. Install it with "
+                           f"{INSTALL[report_to]}, or set report_to to 'none' to train without a tracker.",
+                           parameters="report_to")
 
 
 def resolve_report_to(report_to: str | None) -> tuple[str, str]:
-    """The tracker a run uses and why: the flag's value, or without it TensorBoard if it is
+    """The tracker a run uses and why: ``report_to``, or without it TensorBoard if it is
     installed, else none."""
     if report_to is not None:
-        return report_to, "--report-to"
+        return report_to, "report_to"
     if "tensorboard" in available_trackers():
         return "tensorboard", "the default, as it is installed"
     return "none", f"TensorBoard is not installed ({INSTALL['tensorboard']} for it)"

@@ -1,13 +1,14 @@
 """``train``: one run, top to bottom -- set up, resume, loop, checkpoint, finish.
 
 :func:`train` reads in the order a run happens. Set up: check the options and the launch,
-decide about the run folder (busy? whose run? where to resume from?), build the data, the
-latent space and the model, claim the folder, build the EMA, optimiser and schedule. Resume:
-load the checkpoint, then record the run. Loop: one optimiser step per batch, then its log,
-sample grid (with a MoH model's head-usage figure) and checkpoint. Finish: export ``OUT/final``, a
-pipeline folder (transformer, scheduler, VAE, class names). Everything that can refuse the run
-happens before anything is written; the run folder's decisions are the main process's,
-handed to all (:func:`~.checkpoints.on_main`).
+decide where the run starts (:func:`~.checkpoints.find_start`: is the folder busy, whose run
+is it, which checkpoint), build the data, the latent space, the model, the EMA, optimiser and
+schedule. Resume (:func:`~.checkpoints.resume`): the model must be the run's, then the
+checkpoint's state; then the folder is claimed (its lock) and the run recorded. Loop: one
+optimiser step per batch, then its log, sample grid (with a MoH model's head-usage figure) and
+checkpoint. Finish: export ``OUT/final``, a pipeline folder (transformer, scheduler, VAE, class
+names). Everything that can refuse the run happens before anything is written; the run
+folder's decisions are the main process's, handed to all (:func:`~.checkpoints.on_main`).
 
 The state of a run is in two objects: :class:`~.checkpoints.Parts` (model, EMA, optimiser,
 LR schedule and :class:`~.checkpoints.TrainState`: step and data position), which a
@@ -23,6 +24,8 @@ import dataclasses
 import inspect
 import json
 import os
+import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,63 +38,64 @@ from ..data.datasets import ImageFolderDataset, ResumableSampler, collate_skip_c
 from ..data.latents import LatentDataset, load_vae, vae_downsample_factor
 from ..diffusion.gaussian_diffusion import create_diffusion
 from ..diffusion.schedulers import make_scheduler
+from ..errors import FolderInUse, InputNotFound, InvalidInput, TrainingDiverged
 from ..models.presets import get_preset, resolve_layer_layout
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 from ..pipelines.pipeline_moh_dit import MoHDiTPipeline
-from ..utils.io import atomic_write, naming_write_errors, publish_folder
+from ..utils.io import (FileLockedError, LinkRefusedError, atomic_write, lock_file, naming_write_errors,
+                        publish_folder, read_lock_info, write_lock_info)
 from ..utils.output_folders import write_output_marker
 from ..utils.logging import get_logger, info_enabled
 from ..utils.runtime import set_tf32
 from ..utils.speed import compile_model, peak_flops, training_flops_per_image
-from .checkpoints import Parts, TrainState, everywhere, load_checkpoint, on_main, save_checkpoint
-from .config import TrainConfig, TrainingDivergedError, check_batch_memory, model_dir, warn
-from .run_folder import (FolderLock, Plan, claim_folder, normalized, probe_and_plan, record_run, recorded_model,
-                         run_identity, with_run_preset)
+from .checkpoints import (Parts, Start, TrainState, everywhere, find_start, interrupted, normalized, on_main,
+                          record_run, resume, run_identity, save_checkpoint)
+from .config import DEFAULT_GLOBAL_BATCH_SIZE, TrainConfig, check_batch_memory, model_dir, warn
 from .schedules import build_lr_scheduler, ema_decay_at
 from .tracking import last_logged_usage, log_images, log_with, resolve_report_to, save_head_usage_figure
 
 logger = get_logger(__name__)
+LOCK_FILE = ".lock"
 
 
 def train(cfg: TrainConfig) -> Path:
-    """Train the model of ``cfg`` (its preset; without one, the ``--init-from`` folder's or the
+    """Train the model of ``cfg`` (its preset; without one, the ``init_from`` folder's or the
     resumed run's architecture) and return the folder of the exported EMA model (``OUT/final``).
     Every process runs every line; ``OUT/.lock`` is held from the first look at the folder
-    to the end (released however the run ends)."""
+    (or, for a folder without one yet, from the claim) to the end, however the run ends."""
     from accelerate.utils import set_seed
 
     accelerator, cfg = _start_accelerator(cfg)  # cfg from here on: with what the launch decided
     lock = FolderLock(Path(cfg.output_dir))
     try:
-        # Set up. Read-only until claim_folder: a refused run leaves the folder as it was.
-        plan: Plan = on_main(accelerator, lambda: probe_and_plan(lock, cfg))
-        _check_init_resume(cfg, plan)
-        cfg = with_run_preset(cfg, plan)  # a resume without --preset: the run's
+        # Set up, reading only until the folder is claimed: a refused run leaves it as it was.
+        def first_look() -> tuple[Start, list]:  # the main process's: busy? whose run? where from?
+            lock.probe()
+            seen = _listing(lock.out)
+            return find_start(cfg), seen
+
+        start, seen = on_main(accelerator, first_look)
+        cfg = start.cfg  # a resume without a preset: the run's
         if accelerator.device.type == "cuda":
             set_tf32(cfg.allow_tf32)
         set_seed(cfg.seed, device_specific=True)
         data = _build_data(cfg, accelerator)  # validated before any model or VAE work
         space = _build_latent_space(cfg, data.dataset, accelerator.device)
-        model, model_config = _build_model(cfg, space, data.classes, recorded_model(plan))
-        on_main(accelerator, lambda: claim_folder(cfg, plan, lock, model_config, logger.info))
+        model, model_config = _build_model(cfg, space, data.classes, (start.recorded or {}).get("model_config"))
         parts, model = _build_optimisation(cfg, accelerator, model, data.sampler)
         diffusion = create_diffusion()
         flops_per_image, device_peak = _mfu_terms(cfg, accelerator, parts.model)
 
-        # Resume: every part's state, then the run record (written only once the state has loaded).
-        if plan.resume_from is not None:
-            load_checkpoint(parts, Path(plan.resume_from))
-            _take_optimiser_settings(cfg, parts)
-            _say(accelerator, f"Resumed from {plan.resume_from} at step {parts.state.step}.")
-        run = {"run_id": plan.run_id, **run_identity(cfg), "model_config": model_config}  # in every marker
-        if accelerator.is_main_process:
-            changed = record_run(cfg, {"run_id": plan.run_id, "data_path": run["data_path"],
-                                       "num_processes": accelerator.num_processes,
-                                       "per_process_batch_size": data.per_process, "latent_shape": list(space.shape),
-                                       "model_config": model_config}, data.class_to_idx, parts.state.step)
-            if changed:
-                logger.info(f"Settings changed from step {parts.state.step} on (train_config.json keeps every "
-                            f"segment's under segments): {'; '.join(changed)}.")
+        # Resume (the model must be the run's; then the checkpoint's state, if any), then claim
+        # the folder and record the run: the first writes.
+        resume(parts, start, model_config)
+        if start.folder is not None:
+            _say(accelerator, f"Resumed from {start.folder} at step {parts.state.step}.")
+        run = {"run_id": start.run_id, **run_identity(cfg), "model_config": model_config}  # in every marker
+        facts = {"run_id": start.run_id, "data_path": run["data_path"], "num_processes": accelerator.num_processes,
+                 "per_process_batch_size": data.per_process, "latent_shape": list(space.shape),
+                 "model_config": model_config}
+        on_main(accelerator, lambda: _claim(lock, seen, start, facts, data.class_to_idx, parts.state.step))
         if cfg.report_to != "none":
             accelerator.init_trackers("moh-dit", config={k: v for k, v in dataclasses.asdict(cfg).items()
                                                          if isinstance(v, (int, float, str, bool))})
@@ -101,7 +105,7 @@ def train(cfg: TrainConfig) -> Path:
         # anything is written; in between, nothing waits for the device.
         state, batches = parts.state, data.batches()
         log, watch = _TrainLog(cfg, parts, flops_per_image, device_peak), _DivergenceWatch(accelerator.device)
-        last_checkpoint = plan.resume_from  # what a divergence names until the first checkpoint of this start
+        last_checkpoint = start.folder  # what a divergence names until the first checkpoint of this start
         while state.step < cfg.max_steps:
             micro_batches = [_next_batch(batches, data, space, state, accelerator.device)
                              for _ in range(cfg.gradient_accumulation_steps)]
@@ -131,6 +135,114 @@ def train(cfg: TrainConfig) -> Path:
         lock.release()
 
 
+def preflight(cfg: TrainConfig) -> str:
+    """Validate ``cfg`` and check its run folder as :func:`train` would, writing nothing and
+    taking no lock (a dry run); returns what ``train`` would do. A folder that a live run holds
+    is refused, as ``train`` would refuse it (:meth:`FolderLock.peek`)."""
+    cfg.validate()
+    resolved = cfg.resolved()
+    # The batch of one process (the launch's number of processes is not known here).
+    check_batch_memory(resolved, cfg.train_batch_size or max(1, (cfg.global_batch_size or DEFAULT_GLOBAL_BATCH_SIZE)
+                                                              // resolved.gradient_accumulation_steps))
+    FolderLock(Path(cfg.output_dir)).peek()
+    start = find_start(resolved)  # with the VAE the run would use, as train's decision has it
+    if cfg.ema_warning() is not None:
+        warn(cfg.ema_warning())
+    if start.folder is not None:
+        return f"would resume from {start.folder} (step {start.step})"
+    return start.note or ("would start a new run" if cfg.resume is None else "would start from scratch")
+
+
+# --------------------------------------------------------------------------------------
+# The run folder's lock
+# --------------------------------------------------------------------------------------
+
+
+def _busy(out: Path, holder: dict | None) -> FolderInUse:
+    who = (f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}" if holder
+           else "holder unknown: it is just starting")
+    return FolderInUse(f"output_dir {out} is in use by another training run ({who}; lock {out / LOCK_FILE}). Wait "
+                       "for it to finish, or use another output_dir.", parameters="output_dir")
+
+
+class FolderLock:
+    """The main process's hold on ``OUT/.lock``: probed before any work (an existing lock
+    file is locked without being changed), created if needed only once every check passed."""
+
+    def __init__(self, out: Path):
+        self.out, self.path, self.fd = out, out / LOCK_FILE, None
+
+    def probe(self) -> None:
+        if self.out.is_dir():
+            try:
+                self.fd = lock_file(self.path, create=False)
+            except FileLockedError as error:
+                raise _busy(self.out, error.holder) from None
+
+    def peek(self) -> None:
+        """Whether a live run holds the folder, without taking or creating the lock and without
+        writing: a shared lock tried on the existing file and let go at once (a live holder has
+        it exclusively). A link in place of the lock is refused, as :meth:`probe` refuses it."""
+        import fcntl
+
+        if self.path.is_symlink():
+            raise LinkRefusedError(f"{self.path} is a symbolic link, and a lock file is never written through a "
+                                   "link; delete the link and run the command again")
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _busy(self.out, read_lock_info(self.path)) from None
+        except OSError:
+            return  # a file system without locks: train itself says so when it takes the lock
+        finally:
+            os.close(fd)
+
+    def acquire(self) -> bool:
+        """Hold the lock and write who holds it; True if it had to be created (then the
+        caller re-checks the folder, which another process may have changed meanwhile)."""
+        created = self.fd is None
+        if created:
+            self.out.mkdir(parents=True, exist_ok=True)
+            try:
+                self.fd = lock_file(self.path, create=True)
+            except FileLockedError as error:
+                raise _busy(self.out, error.holder) from None
+        write_lock_info(self.fd, {"pid": os.getpid(), "host": socket.gethostname(),
+                                  "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "argv": sys.argv})
+        return created
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _listing(out: Path) -> list[list[str]]:
+    """What the run folder and its checkpoints/ hold, by name (the lock aside)."""
+    return [sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE) if folder.is_dir() else []
+            for folder in (out, out / "checkpoints")]
+
+
+def _claim(lock: FolderLock, seen: list, start: Start, facts: dict[str, Any], class_to_idx: dict[str, int],
+           step: int) -> None:
+    """On the main process, once the run's state has loaded: take the folder (the lock; created
+    now if the first look found none, when the folder must still hold what that look saw, or
+    another process started a run here meanwhile), then record the run and say what changed."""
+    if lock.acquire() and _listing(lock.out) != seen:
+        raise FolderInUse(f"output_dir {lock.out} changed while this run was starting; run it again.",
+                          parameters="output_dir")
+    if start.note is not None:
+        logger.info(start.note)
+    changed = record_run(start.cfg, facts, class_to_idx, step)  # start.cfg: as the launch decided it
+    if changed:
+        logger.info(f"Settings changed from step {step} on (train_config.json keeps every segment's under "
+                    f"segments): {'; '.join(changed)}.")
+
+
 # --------------------------------------------------------------------------------------
 # Set up
 # --------------------------------------------------------------------------------------
@@ -145,9 +257,10 @@ def _say(accelerator, message: str) -> None:
 def _start_accelerator(cfg: TrainConfig) -> tuple[Any, TrainConfig]:
     """The Accelerator of this launch and ``cfg`` with what the launch decided (precision,
     accumulation, batch split, tracker), once ``cfg`` passed its checks, its batch splits over
-    the launch's processes, and the launch is one this trainer's checkpoints support (plain
-    data-parallel). ``--mixed-precision`` left out is accelerate's to decide, as in diffusers'
-    scripts (accelerate launch's flag or config); the accumulation is :meth:`TrainConfig.accumulation`'s."""
+    the launch's processes and fits in memory, and the launch is one this trainer's checkpoints
+    support (plain data-parallel). ``mixed_precision`` left out is accelerate's to decide, as in
+    diffusers' scripts (accelerate launch's option or config); the accumulation is
+    :meth:`TrainConfig.accumulation`'s."""
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
@@ -156,11 +269,11 @@ def _start_accelerator(cfg: TrainConfig) -> tuple[Any, TrainConfig]:
     cfg = cfg.resolved()  # the image size and VAE of a latent cache are the cache's; the accumulation
     report_to, tracker_source = resolve_report_to(cfg.report_to)
     if cfg.mixed_precision is not None:
-        precision_source = "--mixed-precision"
+        precision_source = "mixed_precision"
     elif os.environ.get("ACCELERATE_MIXED_PRECISION"):
         precision_source = "accelerate's ACCELERATE_MIXED_PRECISION, from accelerate launch or its config"
     else:
-        precision_source = "accelerate's default; set it with --mixed-precision or accelerate launch --mixed_precision"
+        precision_source = "accelerate's default; set it with mixed_precision or accelerate launch's option"
     accelerator = Accelerator(
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
@@ -173,13 +286,13 @@ def _start_accelerator(cfg: TrainConfig) -> tuple[Any, TrainConfig]:
     everywhere(accelerator, lambda: check_batch_memory(cfg, cfg.train_batch_size))
     kind = str(accelerator.distributed_type).upper()
     if any(name in kind for name in ("DEEPSPEED", "FSDP", "MEGATRON")):
-        raise ValueError(f"accelerate's {accelerator.distributed_type} is not supported by this trainer's checkpoints; "
-                         "launch plain data-parallel (accelerate launch --multi_gpu, or torchrun).")
+        raise InvalidInput(f"accelerate's {accelerator.distributed_type} is not supported by this trainer's "
+                           "checkpoints; launch plain data-parallel (accelerate launch's multi-GPU mode, or torchrun).")
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1 and accelerator.num_processes == 1:
         # Every launched process would train alone (and all but one would find the folder busy).
-        raise ValueError(f"launched as {world} processes (WORLD_SIZE={world}) but accelerate sees one; on CPU set "
-                         "ACCELERATE_USE_CPU=1 for torchrun, or use accelerate launch --cpu.")
+        raise InvalidInput(f"launched as {world} processes (WORLD_SIZE={world}) but accelerate sees one; on CPU set "
+                           "ACCELERATE_USE_CPU=1 for torchrun, or use accelerate launch's CPU mode.")
     if accelerator.is_main_process:
         _announce_launch(cfg, accelerator.num_processes, precision_source, accumulation_source, tracker_source)
     return accelerator, cfg
@@ -196,15 +309,6 @@ def _announce_launch(cfg: TrainConfig, num_processes: int, precision_source: str
     ema_warning = cfg.ema_warning()
     if ema_warning is not None:
         warn(ema_warning)
-
-
-def _check_init_resume(cfg: TrainConfig, plan: Plan) -> None:
-    """A run that started from --init-from and has no checkpoint yet cannot continue: without
-    the flag (refused with --resume) it would silently start from random weights."""
-    started_from = (plan.record or {}).get("init_from")
-    if cfg.resume is not None and plan.resume_from is None and started_from:
-        raise ValueError(f"--output-dir {cfg.output_dir} holds a run started with --init-from {started_from} that "
-                         "has no checkpoint yet; start it again with --init-from into another --output-dir.")
 
 
 @dataclass
@@ -258,25 +362,27 @@ class LatentSpace:
 
 
 def _build_latent_space(cfg: TrainConfig, dataset, device: torch.device) -> LatentSpace:
-    """A latent cache's space, pixels (``--vae none``), or the VAE's latents (the VAE loaded here)."""
+    """A latent cache's space, pixels (``vae="none"``), or the VAE's latents (the VAE loaded here)."""
     if cfg.latents_dir is not None:
         # The VAE the cache was made with: final/ saves it as the pipeline's vae, and the sample
         # grids decode with it. Loaded now, so that a missing one stops the run before any work.
         if not cfg.vae:
-            raise ValueError(f"--latents-dir {cfg.latents_dir} does not record its VAE, which final/ saves as the "
-                             "pipeline's vae; give it with --vae.")
+            raise InvalidInput(f"latents_dir {cfg.latents_dir} does not record its VAE, which final/ saves as the "
+                               "pipeline's VAE; give it as vae.", parameters=("latents_dir", "vae"))
         try:
             decoder = load_vae(cfg.vae, cfg.vae_subfolder, device=device)
         except FileNotFoundError as error:
-            raise FileNotFoundError(f"{error} final/ saves the VAE of --latents-dir {cfg.latents_dir} as the "
-                                    "pipeline's vae: make it available (a local folder with --vae).") from None
+            raise InputNotFound(f"{error} final/ saves the VAE of latents_dir {cfg.latents_dir} as the pipeline's "
+                               "VAE: make it available (a local folder as vae).",
+                               parameters=("latents_dir", "vae")) from None
         return LatentSpace(tuple(dataset.latent_shape), None, dataset.scaling_factor, decoder)
     if cfg.pixel_space:
         return LatentSpace((3, cfg.image_size, cfg.image_size), None, None)
     vae = load_vae(cfg.vae, cfg.vae_subfolder, device=device)
     factor = vae_downsample_factor(vae)
     if cfg.image_size % factor:
-        raise ValueError(f"--image-size {cfg.image_size} is not divisible by the VAE's downsampling factor {factor}.")
+        raise InvalidInput(f"image_size {cfg.image_size} is not divisible by the VAE's downsampling factor {factor}.",
+                           parameters="image_size")
     size = cfg.image_size // factor
     return LatentSpace((vae.config.latent_channels, size, size), vae, vae.config.scaling_factor, vae)
 
@@ -289,8 +395,9 @@ def _build_model(cfg: TrainConfig, space: LatentSpace, classes: list[str], recor
                      class_dropout_prob=cfg.class_dropout, class_names=list(classes))
     model = MoHDiTTransformer2DModel(**{**_architecture(cfg, recorded), **overrides})
     if cfg.router_warmup_steps and not model.is_moh:  # a preset's is refused by TrainConfig.validate
-        raise ValueError(f"--router-warmup-steps {cfg.router_warmup_steps}: {_model_source(cfg)} is a dense DiT "
-                         "without routers; drop the flag.")
+        raise InvalidInput(f"router_warmup_steps {cfg.router_warmup_steps}: {_model_source(cfg)} is a dense DiT "
+                           "without routers; drop router_warmup_steps.",
+                           parameters=("router_warmup_steps", "preset", "init_from"))
     model_config = normalized({k: v for k, v in dict(model.config).items() if not k.startswith("_")})
     if cfg.init_from is not None:
         _load_init_weights(cfg, model, model_config)
@@ -300,13 +407,13 @@ def _build_model(cfg: TrainConfig, space: LatentSpace, classes: list[str], recor
 def _model_source(cfg: TrainConfig) -> str:
     """Where the run's architecture comes from, in a message's words."""
     if cfg.preset is not None:
-        return f"--preset {cfg.preset}"
-    return f"the model of --init-from {cfg.init_from}" if cfg.init_from is not None else "the resumed run's model"
+        return f"preset {cfg.preset}"
+    return f"the model of init_from {cfg.init_from}" if cfg.init_from is not None else "the resumed run's model"
 
 
 def _architecture(cfg: TrainConfig, recorded: dict | None) -> dict[str, Any]:
-    """The model's constructor arguments before the data's: ``--preset``'s; without it, those
-    of the ``--init-from`` folder's config.json (an upcycled layout has no preset), else those
+    """The model's constructor arguments before the data's: ``preset``'s; without it, those
+    of the ``init_from`` folder's config.json (an upcycled layout has no preset), else those
     the resumed run recorded."""
     if cfg.preset is not None:
         return get_preset(cfg.preset)
@@ -314,21 +421,23 @@ def _architecture(cfg: TrainConfig, recorded: dict | None) -> dict[str, Any]:
         try:
             config = MoHDiTTransformer2DModel.load_config(model_dir(cfg.init_from))
         except (OSError, ValueError) as error:
-            raise ValueError(f"--init-from {cfg.init_from}: cannot read its config.json ({type(error).__name__}: "
-                             f"{str(error).splitlines()[0] if str(error) else ''}).") from None
+            raise InvalidInput(f"init_from {cfg.init_from}: cannot read its config.json ({type(error).__name__}: "
+                               f"{str(error).splitlines()[0] if str(error) else ''}).", parameters="init_from") from None
         kind = config.get("_class_name", MoHDiTTransformer2DModel.__name__)
         if kind != MoHDiTTransformer2DModel.__name__:
-            raise ValueError(f"--init-from {cfg.init_from} holds a {kind}, not a MoHDiTTransformer2DModel; give a "
-                             "folder written by moh-dit upcycle, moh-dit convert or a run's final/.")
+            raise InvalidInput(f"init_from {cfg.init_from} holds a {kind}, not a MoHDiTTransformer2DModel; give a "
+                               "folder written by moh-dit upcycle, moh-dit convert or a run's final/.",
+                               parameters="init_from")
     elif recorded is not None:
         config = recorded
-    else:  # with_run_preset refuses a resume without a preset or a recorded model
-        raise ValueError("no --preset, --init-from or recorded model to build the run's model from.")
+    else:  # find_start refuses a resume without a preset or a recorded model
+        raise InvalidInput("no preset, init_from or recorded model to build the run's model from.",
+                           parameters=("preset", "init_from"))
     accepted = inspect.signature(MoHDiTTransformer2DModel.__init__).parameters
     return {k: v for k, v in config.items() if k in accepted and k != "self"}
 
 
-# Settings of a saved model that --init-from may differ in: the run sets them from its data and flags.
+# Settings of a saved model that init_from may differ in: the run sets them from its data and options.
 _INIT_FREE_KEYS = ("class_names", "class_dropout_prob")
 
 
@@ -340,27 +449,28 @@ def _per_layer_config(config: dict) -> dict:
 
 
 def _load_init_weights(cfg: TrainConfig, model: MoHDiTTransformer2DModel, model_config: dict) -> None:
-    """``--init-from``: the saved model's weights into ``model``, once its layout is the one
+    """``init_from``: the saved model's weights into ``model``, once its layout is the one
     the preset builds for this data (every constructor argument but class names and dropout)."""
     try:
         source = MoHDiTTransformer2DModel.from_pretrained(model_dir(cfg.init_from))
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"--init-from {cfg.init_from}: cannot load the model ({type(error).__name__}: "
-                         f"{str(error).splitlines()[0] if str(error) else ''}).") from None
+        raise InvalidInput(f"init_from {cfg.init_from}: cannot load the model ({type(error).__name__}: "
+                           f"{str(error).splitlines()[0] if str(error) else ''}).", parameters="init_from") from None
     theirs = _per_layer_config(normalized({k: v for k, v in dict(source.config).items() if not k.startswith("_")}))
     ours = _per_layer_config(model_config)
     diffs = [f"{k} {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in sorted(set(theirs) | set(ours))
              if k not in _INIT_FREE_KEYS and theirs.get(k) != ours.get(k)]
     if diffs:
         if cfg.preset is None:
-            raise ValueError(f"--init-from {cfg.init_from} does not fit this data: {'; '.join(diffs)}. Train it on "
-                             "data of its image size, channels and class count.")
-        raise ValueError(f"--init-from {cfg.init_from} does not fit --preset {cfg.preset} on this data: "
-                         f"{'; '.join(diffs)}. Leave --preset out (the folder's config.json gives the architecture), "
-                         "or use the preset the model was made for, and data of its size and classes.")
+            raise InvalidInput(f"init_from {cfg.init_from} does not fit this data: {'; '.join(diffs)}. Train it on "
+                               "data of its image size, channels and class count.", parameters="init_from")
+        raise InvalidInput(f"init_from {cfg.init_from} does not fit preset {cfg.preset} on this data: "
+                           f"{'; '.join(diffs)}. Leave preset out (the folder's config.json gives the architecture), "
+                           "or give the one the model was made for, and data of its size and classes.",
+                           parameters=("init_from", "preset"))
     names = theirs.get("class_names")
     if names is not None and names != model_config.get("class_names"):
-        warn(f"--init-from {cfg.init_from} was trained with classes {names[:5]}..., this data's are "
+        warn(f"init_from {cfg.init_from} was trained with classes {names[:5]}..., this data's are "
              f"{(model_config.get('class_names') or [])[:5]}...; class ids keep their embeddings.")
     model.load_state_dict(source.state_dict(), strict=True)
 
@@ -385,19 +495,6 @@ def _build_optimisation(cfg: TrainConfig, accelerator, model, sampler: Resumable
     # registered with accelerate, whose custom state is a pickle loaded with weights_only=False.
     parts = Parts(accelerator, accelerator.unwrap_model(model), ema, optimizer, lr_scheduler, TrainState(sampler))
     return parts, model
-
-
-def _take_optimiser_settings(cfg: TrainConfig, parts: Parts) -> None:
-    """A resumed optimiser takes this command's learning rate, weight decay and betas (a checkpoint
-    restores those it was saved with, which would silently override a changed --learning-rate or
-    --weight-decay). The rate is the LR schedule's at the step the run continues from: the same
-    number the schedule gives there when nothing changed, so an exact resume stays exact."""
-    schedule = parts.lr_scheduler
-    schedule.base_lrs = [cfg.learning_rate] * len(schedule.base_lrs)
-    for group, factor in zip(parts.optimizer.param_groups, schedule.lr_lambdas):  # diffusers' schedules: LambdaLR
-        group.update(lr=cfg.learning_rate * factor(schedule.last_epoch), initial_lr=cfg.learning_rate,
-                     weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas))
-    schedule._last_lr = [group["lr"] for group in parts.optimizer.param_groups]  # what get_last_lr() reports
 
 
 def _mfu_terms(cfg: TrainConfig, accelerator, model) -> tuple[int, float]:
@@ -449,11 +546,11 @@ def _next_batch(batches: Iterator, data: _Data, space: LatentSpace, state: Train
     x, y = next(batches)
     num_classes = len(data.classes)
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= num_classes):  # on the host, before the copy
-        raise ValueError(f"the data gave class ids in [{int(y.min())}, {int(y.max())}], outside [0, "
+        raise InvalidInput(f"the data gave class ids in [{int(y.min())}, {int(y.max())}], outside [0, "
                          f"{num_classes - 1}]: the dataset and the model's classes disagree.")
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     data.sampler.advance(data.per_process)
-    state.images_skipped += data.per_process - x.shape[0]  # unreadable images dropped (--on-corrupt skip)
+    state.images_skipped += data.per_process - x.shape[0]  # unreadable images dropped (on_corrupt="skip")
     if space.vae is not None:
         with torch.no_grad():
             shift = getattr(space.vae.config, "shift_factor", None) or 0.0
@@ -518,7 +615,7 @@ def _train_step(cfg: TrainConfig, parts: Parts, model: torch.nn.Module, diffusio
 
 
 def _stop_if_diverged(accelerator, watch: _DivergenceWatch, last_checkpoint: str | Path | None) -> None:
-    """Raise TrainingDivergedError on every process if the loss was NaN/inf at any step so
+    """Raise TrainingDiverged on every process if the loss was NaN/inf at any step so
     far on any of them, naming the first such step and ``last_checkpoint`` (one host sync,
     at log, sample and checkpoint steps only)."""
     first = watch.first.reshape(1)
@@ -532,11 +629,10 @@ def _stop_if_diverged(accelerator, watch: _DivergenceWatch, last_checkpoint: str
     step, rank = min(bad)
     loss, mse, vb, lb = terms[rank].tolist()
     where = f" on process {rank}" if accelerator.num_processes > 1 else ""
-    raise TrainingDivergedError(
+    raise TrainingDiverged(
         f"The loss became {loss} at step {step}{where} (mse {mse:.4g}, vb {vb:.4g}, lb {lb:.4g}). "
-        f"The last good checkpoint is {last_checkpoint or 'none'}; lower --learning-rate, set --max-grad-norm, "
-        "or use bf16 instead of fp16, then resume."
-    )
+        f"The last good checkpoint is {last_checkpoint or 'none'}; lower learning_rate, set max_grad_norm, "
+        "or use bf16 instead of fp16, then resume.", parameters=("learning_rate", "max_grad_norm"))
 
 
 class _TrainLog:
@@ -554,7 +650,7 @@ class _TrainLog:
             from tqdm.auto import tqdm
 
             self.progress = tqdm(total=cfg.max_steps, initial=parts.state.step, desc="train", dynamic_ncols=True,
-                                 disable=not info_enabled())  # --quiet hides it, as every command's bars
+                                 disable=not info_enabled())  # hidden with info lines, as every command's bars
         self._new_window()
 
     def _new_window(self) -> None:
@@ -686,7 +782,7 @@ def _export_final(cfg: TrainConfig, parts: Parts, space: LatentSpace, class_to_i
     class names as ``id2label`` -- with the class map, published whole by the main process."""
     accelerator = parts.accelerator
     if parts.state.images_skipped:
-        _say(accelerator, f"Skipped {parts.state.images_skipped} unreadable images (--on-corrupt skip).")
+        _say(accelerator, f"Skipped {parts.state.images_skipped} unreadable images (on_corrupt='skip').")
     final = Path(cfg.output_dir) / "final"
     if accelerator.is_main_process:
         # IDDPM clips predicted images to [-1, 1] in pixel space; DiT does not clip latents.
@@ -702,9 +798,8 @@ def _export_final(cfg: TrainConfig, parts: Parts, space: LatentSpace, class_to_i
         except OSError as error:
             if error.errno is None:
                 raise
-            raise OSError(error.errno, f"{error.strerror or error}; {final} was not exported and the checkpoints are "
-                          "intact: free space (or fix the file system), then run the same command with --resume "
-                          "latest, which exports it again", error.filename) from error
+            raise interrupted(error, f"{final} was not exported and the checkpoints are intact",
+                              ", which exports it again") from error
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
