@@ -61,7 +61,7 @@ def test_diffusers_512_pipeline_folder_converts(tmp_path, randomize):
         block.norm1.emb.load_state_dict(emb0)
     dit.save_pretrained(tmp_path / "pipe" / "transformer")
     (tmp_path / "pipe" / "model_index.json").write_text('{"_class_name": "DiTPipeline"}')
-    model = convert_checkpoint(tmp_path / "pipe", "DiT-S/2", output=tmp_path / "out", sample_size=64)
+    model = convert_checkpoint(tmp_path / "pipe", "DiT-S/2", output_dir=tmp_path / "out", sample_size=64)
     assert model.config.sample_size == 64 and model.pos_embed.pos_embed.shape == (1, 1024, 384)
     inferred = convert_checkpoint(tmp_path / "pipe", "DiT-S/2")
     assert inferred.config.sample_size == 64 and _same_weights(model, inferred)

@@ -114,7 +114,7 @@ def test_diffusers_dit_folder_folds_embedders(tmp_path, randomize):
     dit = _diffusers_dit(randomize)
     dit.save_pretrained(tmp_path / "pipe" / "transformer")
     (tmp_path / "pipe" / "model_index.json").write_text('{"_class_name": "DiTPipeline"}')
-    model = convert_checkpoint(tmp_path / "pipe", "DiT-Tiny", output=tmp_path / "out")
+    model = convert_checkpoint(tmp_path / "pipe", "DiT-Tiny", output_dir=tmp_path / "out")
     assert MoHDiTTransformer2DModel.from_pretrained(tmp_path / "out").config.num_classes == 10
     x, t, y = _inputs(model)
     ours = model(x, t, y).sample
@@ -145,7 +145,7 @@ def test_existing_output_is_not_clobbered(tmp_path, randomize):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("x")
     with pytest.raises(FileExistsError):
-        convert_checkpoint(tmp_path / "ckpt.pt", "MoH-DiT-Tiny", output=tmp_path / "out")
+        convert_checkpoint(tmp_path / "ckpt.pt", "MoH-DiT-Tiny", output_dir=tmp_path / "out")
     assert (tmp_path / "out" / "keep.txt").exists()
 
 

@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "not a local path is looked up on the Hub)")
     parser.add_argument("--preset", required=True, choices=list(PRESETS), metavar="PRESET",
                         help="model preset the weights belong to (top-K cannot be read from weights)")
-    parser.add_argument("--output-dir", dest="output", required=True,
+    parser.add_argument("--output-dir", required=True,
                         help="output folder (written atomically; an existing one needs --overwrite, a file is refused)")
     parser.add_alias("--output", "--output-dir")
     parser.add_argument("--weights", choices=["ema", "model"], default="ema",
@@ -51,12 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @command
 def main(args: argparse.Namespace) -> int:
     model = convert_checkpoint(
-        args.checkpoint, args.preset, args.output, weights=args.weights, sample_size=args.sample_size,
+        args.checkpoint, args.preset, args.output_dir, weights=args.weights, sample_size=args.sample_size,
         num_classes=args.num_classes, overwrite=args.overwrite, allow_divergent_embeddings=args.allow_divergent_embeddings,
     )
     params = sum(p.numel() for p in model.parameters())
     logger.info(f"Wrote {args.preset} ({params:,} parameters, head activation {model.head_activation_ratio:.4f}) "
-                f"to {args.output}")
+                f"to {args.output_dir}")
     return 0
 
 

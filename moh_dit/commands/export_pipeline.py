@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vae", default=None,
                         help="AutoencoderKL folder or Hub id, or 'none' (default: a pipeline folder's own -- a run's, "
                              "for a run folder; a latent transformer folder needs one)")
-    parser.add_argument("--output-dir", dest="output", required=True,
+    parser.add_argument("--output-dir", required=True,
                         help="the folder to write (built aside and renamed when complete)")
     parser.add_alias("--output", "--output-dir")
     parser.add_argument("--push-to-hub", default=None, metavar="REPO_ID",
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @command
 def main(args: argparse.Namespace) -> int:
     folder = export_pipeline(
-        args.model, args.output, vae=args.vae, variant=args.variant, sweep=args.sweep, metrics=args.metrics,
+        args.model, args.output_dir, vae=args.vae, variant=args.variant, sweep=args.sweep, metrics=args.metrics,
         head_usage=args.head_usage, push_to_hub=args.push_to_hub, overwrite=args.overwrite, license=args.license,
         private=True if args.private else None, progress=info_enabled(), app=args.app,
     )

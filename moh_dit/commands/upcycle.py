@@ -50,7 +50,7 @@ def _layers(text: str) -> int | list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="dense model: a saved model folder, or what moh-dit convert reads")
-    p.add_argument("--output-dir", dest="output", required=True,
+    p.add_argument("--output-dir", required=True,
                    help="new folder for the MoH model (must not exist, or be empty; see --overwrite)")
     p.add_alias("--output", "--output-dir")
     p.add_argument("--preset", default=None, help="dense preset of a checkpoint that is not a saved model folder (DiT-XL/2, ...)")
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 @command
 def main(args: argparse.Namespace) -> int:
-    check_output(args.output, args.overwrite)  # before any loading or measuring
+    check_output(args.output_dir, args.overwrite)  # before any loading or measuring
     if args.calibration is None and args.vae is not None:
         raise ValueError("--vae only encodes --calibration-data; give --calibration-data or drop --vae.")
     if args.seed < 0:
@@ -88,9 +88,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device} but CUDA is not available; use --device cpu.")
-    check_outside_inputs(args.output, {"checkpoint": local_path(args.checkpoint), "vae": local_path(args.vae),
-                                       "calibration": args.calibration}, "output")
-    with hold_output_folder(args.output, "upcycle", "output"):
+    check_outside_inputs(args.output_dir, {"checkpoint": local_path(args.checkpoint), "vae": local_path(args.vae),
+                                           "calibration": args.calibration}, "output_dir")
+    with hold_output_folder(args.output_dir, "upcycle", "output_dir"):
         _upcycle(args, device)
     return 0
 
@@ -104,10 +104,10 @@ def _upcycle(args: argparse.Namespace, device: torch.device) -> None:
         num_classes=args.num_classes, vae=args.vae, seed=args.seed, device=device, progress=info_enabled(),
     )
     logger.info(report.table())
-    save_upcycled(model, report, args.output, overwrite=args.overwrite)
+    save_upcycled(model, report, args.output_dir, overwrite=args.overwrite)
     params = sum(p.numel() for p in model.parameters())
     logger.info(f"Wrote the upcycled model ({params:,} parameters, head activation {model.head_activation_ratio:.4f}) "
-                f"to {args.output}; its config.json records the layout")
+                f"to {args.output_dir}; its config.json records the layout")
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -364,31 +364,31 @@ def is_model_folder(path: Path, extra: tuple[str, ...] = ()) -> bool:
             and not any((path.absolute().parent / name).is_file() for name in _OTHER_OWNERS))
 
 
-def _check_output(output: Path, overwrite: bool) -> None:
-    """Refuse an output that is a file (or lies under one) whatever ``overwrite`` says, and an
-    existing folder unless ``overwrite`` and it is empty, marked by moh-dit convert or an
+def _check_output(output_dir: Path, overwrite: bool) -> None:
+    """Refuse an output folder that is a file (or lies under one) whatever ``overwrite`` says, and
+    an existing folder unless ``overwrite`` and it is empty, marked by moh-dit convert or an
     earlier conversion (:func:`is_model_folder`): nothing the user made is replaced."""
-    check_folder_path(output, "output", "give a folder path", error=FileExistsError)
-    check_replaceable(output, overwrite, "convert", is_model_folder,
-                      "an earlier conversion (a saved MoHDiTTransformer2DModel folder)", "output")
+    check_folder_path(output_dir, "output_dir", "give a folder path", error=FileExistsError)
+    check_replaceable(output_dir, overwrite, "convert", is_model_folder,
+                      "an earlier conversion (a saved MoHDiTTransformer2DModel folder)", "output_dir")
 
 
-def save_pretrained_atomic(model: MoHDiTTransformer2DModel, output: str | os.PathLike, overwrite: bool = False) -> Path:
+def save_pretrained_atomic(model: MoHDiTTransformer2DModel, output_dir: str | os.PathLike, overwrite: bool = False) -> Path:
     """``save_pretrained`` into a temporary sibling folder, marked as moh-dit convert's output,
     then rename it into place; a folder it replaces is deleted only after the new one is in.
-    A failed write (disk full, ...) is an OSError naming ``output``."""
-    output = Path(output)
-    _check_output(output, overwrite)
-    with naming_write_errors(output), publish_folder(output, replace=True) as tmp:  # refused above if not ours
+    A failed write (disk full, ...) is an OSError naming ``output_dir``."""
+    output_dir = Path(output_dir)
+    _check_output(output_dir, overwrite)
+    with naming_write_errors(output_dir), publish_folder(output_dir, replace=True) as tmp:  # refused above if not ours
         model.save_pretrained(tmp, safe_serialization=True)
         write_output_marker(tmp, "convert")
-    return output
+    return output_dir
 
 
 def convert_checkpoint(
     checkpoint: str | os.PathLike,
     preset: str,
-    output: str | os.PathLike | None = None,
+    output_dir: str | os.PathLike | None = None,
     weights: str = "ema",
     sample_size: int | None = None,
     num_classes: int | None = None,
@@ -398,7 +398,7 @@ def convert_checkpoint(
     """Convert a release / facebookresearch / diffusers DiT checkpoint into ``preset``.
 
     ``sample_size`` and ``num_classes`` default to what the checkpoint says (pos_embed length
-    and embedding rows, or the diffusers config). The model is saved to ``output`` with
+    and embedding rows, or the diffusers config). The model is saved to ``output_dir`` with
     ``save_pretrained`` when given; returned either way.
     """
     if preset not in PRESETS:
@@ -412,14 +412,14 @@ def convert_checkpoint(
     if sample_size is not None and sample_size % patch:
         raise InvalidInput(f"sample_size {sample_size} is not a multiple of the patch size {patch} of {preset}.",
                            parameters="sample_size")
-    if output is None:
+    if output_dir is None:
         return _convert(checkpoint, preset, config, weights, sample_size, num_classes, allow_divergent_embeddings)
-    output = Path(output)
-    _check_output(output, overwrite)  # before the (slow) load: nothing is read for a refused output
-    check_outside_inputs(output, {"checkpoint": local_path(checkpoint)}, "output")
-    with hold_output_folder(output, "convert", "output"):
+    output_dir = Path(output_dir)
+    _check_output(output_dir, overwrite)  # before the (slow) load: nothing is read for a refused output_dir
+    check_outside_inputs(output_dir, {"checkpoint": local_path(checkpoint)}, "output_dir")
+    with hold_output_folder(output_dir, "convert", "output_dir"):
         model = _convert(checkpoint, preset, config, weights, sample_size, num_classes, allow_divergent_embeddings)
-        save_pretrained_atomic(model, output, overwrite=overwrite)
+        save_pretrained_atomic(model, output_dir, overwrite=overwrite)
     return model
 
 

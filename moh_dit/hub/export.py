@@ -267,14 +267,14 @@ class _Request:
 
 
 def _check_output(out: Path, overwrite: bool) -> None:
-    """``output``: created, or an empty folder, or with ``overwrite`` an earlier export
+    """``output_dir``: created, or an empty folder, or with ``overwrite`` an earlier export
     (marked by moh-dit export, or with :data:`INFO_FILE`); nothing else is replaced."""
     empty = out.is_dir() and not any(out.iterdir())
     check_replaceable(out, overwrite or empty, "export", is_export, f"an export of {EXPORTED_BY} (it has {INFO_FILE})",
-                      "output")
+                      "output_dir")
 
 
-def _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, overwrite, license,
+def _check_request(model, output_dir, vae, variant, sweep, metrics, push_to_hub, overwrite, license,
                    head_usage=None) -> _Request:
     """All the checks, in the order of the parameters, before anything is loaded or written."""
     source = resolve_model(model, vae)
@@ -293,18 +293,18 @@ def _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, ove
     if not license or any(c.isspace() for c in license):
         raise InvalidInput(f"license {license!r}: give a Hub license id such as apache-2.0 or cc-by-nc-4.0.",
                            parameters="license")
-    out = Path(output).expanduser()
+    out = Path(output_dir).expanduser()
     _check_output(out, overwrite)
     vae_path = None if vae is None or vae.lower() == "none" else local_path(vae)
     check_outside_inputs(out, {"model": Path(model).expanduser(), "vae": vae_path, "sweep": sweep,
-                               "metrics": metrics, "head_usage": head_usage}, "output")
+                               "metrics": metrics, "head_usage": head_usage}, "output_dir")
     return _Request(source=source, output=out, vae=vae, variant=variant, metrics=metrics_dict, sweep=sweep_dict,
                     head_usage=usage, repo_id=push_to_hub, license=license, model_label=str(model))
 
 
 def export_pipeline(
     model: str | os.PathLike,
-    output: str | os.PathLike,
+    output_dir: str | os.PathLike,
     *,
     vae: str | None = None,
     variant: str | None = None,
@@ -319,7 +319,7 @@ def export_pipeline(
     progress: bool = True,
     app: bool = False,
 ) -> Path:
-    """Export ``model`` (see :func:`resolve_model`) as a self-contained pipeline folder ``output``.
+    """Export ``model`` (see :func:`resolve_model`) as a self-contained pipeline folder ``output_dir``.
 
     ``vae``: an ``AutoencoderKL`` folder or Hub id, or ``"none"``; default: a pipeline
     folder's own (a latent transformer folder needs one). ``variant``: also write ``fp16`` or
@@ -329,12 +329,13 @@ def export_pipeline(
     (``private`` / ``token`` for a new repository). ``overwrite`` replaces an earlier export
     (never another folder). ``license``: the Hub license id in the card. ``app``: also write
     ``app.py`` and its code, so that the folder runs as a Gradio app and a Hugging Face Space
-    (:func:`moh_dit.app.space_files`, docs/app.md). Returns ``output``.
+    (:func:`moh_dit.app.space_files`, docs/app.md). Returns ``output_dir``.
     Raises ValueError / FileNotFoundError / FileExistsError for bad arguments (before any
     work) and :class:`HubPushError` when the folder is written but the push failed.
     """
-    request = _check_request(model, output, vae, variant, sweep, metrics, push_to_hub, overwrite, license, head_usage)
-    with hold_output_folder(request.output, "export", "output"):
+    request = _check_request(model, output_dir, vae, variant, sweep, metrics, push_to_hub, overwrite, license,
+                             head_usage)
+    with hold_output_folder(request.output, "export", "output_dir"):
         _export(request, overwrite, private, token, progress, app)
     return request.output
 

@@ -521,26 +521,26 @@ def is_upcycled_folder(path: Path) -> bool:
     return is_model_folder(path, extra=(REPORT_FILE,))
 
 
-def check_output(output: str | os.PathLike, overwrite: bool = False) -> None:
-    """Refuse an output that is a file or lies under one, and an existing folder unless
+def check_output(output_dir: str | os.PathLike, overwrite: bool = False) -> None:
+    """Refuse an output folder that is a file or lies under one, and an existing folder unless
     ``overwrite`` and it is empty or an earlier upcycled model (marked by moh-dit upcycle, or
     :func:`is_upcycled_folder`): nothing else is ever replaced. Run before any work."""
-    output = Path(output)
-    check_folder_path(output, "output", "give a folder path", error=FileExistsError)
-    check_replaceable(output, overwrite, "upcycle", is_upcycled_folder,
-                      f"an upcycled model (a saved MoHDiTTransformer2DModel with {REPORT_FILE})", "output")
+    output_dir = Path(output_dir)
+    check_folder_path(output_dir, "output_dir", "give a folder path", error=FileExistsError)
+    check_replaceable(output_dir, overwrite, "upcycle", is_upcycled_folder,
+                      f"an upcycled model (a saved MoHDiTTransformer2DModel with {REPORT_FILE})", "output_dir")
 
 
-def save_upcycled(model: MoHDiTTransformer2DModel, report: UpcycleReport, output: str | os.PathLike,
+def save_upcycled(model: MoHDiTTransformer2DModel, report: UpcycleReport, output_dir: str | os.PathLike,
                   overwrite: bool = False) -> Path:
     """The model (``save_pretrained``) and ``upcycle_report.json``, published together by one
-    atomic rename into ``output``, which must not exist or be an empty folder, or, with
+    atomic rename into ``output_dir``, which must not exist or be an empty folder, or, with
     ``overwrite``, an earlier upcycled model (:func:`check_output`). A failed write (disk
-    full, ...) is an OSError naming ``output``."""
-    output = Path(output)
-    check_output(output, overwrite)
-    with naming_write_errors(output), publish_folder(output, replace=True) as tmp:  # refused above if not ours
+    full, ...) is an OSError naming ``output_dir``."""
+    output_dir = Path(output_dir)
+    check_output(output_dir, overwrite)
+    with naming_write_errors(output_dir), publish_folder(output_dir, replace=True) as tmp:  # refused above if not ours
         model.save_pretrained(tmp, safe_serialization=True)
         write_json_atomic(tmp / REPORT_FILE, report.to_json())
         write_output_marker(tmp, "upcycle")
-    return output
+    return output_dir
