@@ -62,7 +62,7 @@ logger = get_logger(__name__)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", required=True, help="sample .npz (arr_0, uint8 NHWC) or image folder")
-    parser.add_argument("--ref", dest="reference", required=True,
+    parser.add_argument("--ref", dest="reference", metavar="REF", required=True,
                         help="ADM reference batch .npz, or image .npz/folder of real images")
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument(
@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--classifier-weights", default=None,
                         help="local state-dict file for a torchvision:NAME classifier (offline)")
     parser.add_argument("--labels", default=None, help="the samples' class labels as .npy (default: arr_1 of --samples)")
-    parser.add_argument("--class-index", dest="class_map", default=None,
+    parser.add_argument("--class-index", dest="class_map", metavar="CLASS_INDEX", default=None,
                         help="JSON map from sample label to the classifier's class (index or name); default: same index")
     return parser.parse_args(argv)
 

@@ -58,9 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "layout where one fits, else the upcycling rule's; the realised ratio is printed)")
     p.add_argument("--shared-heads", type=_layers, default=None, help="shared heads: one number, or one per layer")
     p.add_argument("--top-k", type=_layers, default=None, help="routed top-K: one number, or one per layer")
-    p.add_argument("--calibration-data", dest="calibration", default=None,
+    p.add_argument("--calibration-data", dest="calibration", metavar="CALIBRATION_DATA", default=None,
                    help="ImageFolder or latent cache to measure head importance on")
-    p.add_argument("--calibration-batches", dest="calibration_batches_count", type=int, default=4,
+    p.add_argument("--calibration-batches", dest="calibration_batches_count", metavar="CALIBRATION_BATCHES", type=int,
+                   default=4,
                    help="batches of calibration data (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=16, help="calibration batch size (default: %(default)s)")
     p.add_argument("--vae", default=None, help="VAE folder or hub id to encode an ImageFolder for a latent model")
