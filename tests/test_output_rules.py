@@ -15,7 +15,7 @@ import pytest
 from moh_dit.utils.cli import ArgumentParser, run_cli
 from moh_dit.utils.io import LinkRefusedError, atomic_write, lock_file
 from moh_dit.utils.output_folders import (OUTPUT_MARKER, OutputFolderBusyError, check_output_folder,
-                                          check_outside_inputs, hold_output_folder, is_package_output,
+                                          check_outside_inputs, hold_output_folder, is_package_output, lock_path,
                                           write_output_marker)
 from moh_dit.errors import InvalidInput
 from moh_dit.utils.resources import check_fits_in_memory, check_fits_on_disk
@@ -272,9 +272,6 @@ WRITERS = {
 }
 
 
-def _lock_of(module: str, out: Path) -> Path:
-    """Where the one-writer lock of ``out`` lives: training keeps its own inside the run folder."""
-    return out / ".lock" if module == "train" else out.parent / f".{out.name}.lock"
 
 
 @pytest.mark.parametrize("module", WRITERS)
@@ -283,14 +280,6 @@ def test_a_second_writer_stops_at_once_naming_the_first(module, tmp_path, refuse
     out = tmp_path / "out"
     (tmp_path / "in").mkdir()
     argv = recipe(tmp_path / "in", out)
-    if module == "train":
-        out.mkdir()
-        fd = lock_file(_lock_of(module, out))
-        try:
-            refuses(module, argv, r"in use by another training run")
-        finally:
-            os.close(fd)
-        return
     with hold_output_folder(out, "sample", "--output-dir"):
         refuses(module, argv, r"--output-dir .*out is being written by another command \(moh-dit sample, pid \d+")
 
@@ -303,9 +292,7 @@ def test_a_link_in_place_of_the_lock_is_never_written_through(module, tmp_path, 
     argv = recipe(tmp_path / "in", out)
     victim = tmp_path / "victim.txt"
     victim.write_text("the user's file\n")
-    if module == "train":
-        out.mkdir()
-    _lock_of(module, out).symlink_to(victim)
+    lock_path(out).symlink_to(victim)
     refuses(module, argv, r"is a symbolic link")
     assert victim.read_text() == "the user's file\n"
 
@@ -341,7 +328,7 @@ def test_an_output_inside_an_input_is_refused_before_any_work(module, where, tmp
     refuses(module, argv, r"lies inside" if where == "inside" else r"is --|already|would replace")
 
 
-@pytest.mark.parametrize("module", [m for m in WRITERS if m != "train"])
+@pytest.mark.parametrize("module", WRITERS)
 def test_every_spelling_of_a_folder_meets_the_same_lock(module, tmp_path, refuses):
     """A link to the output folder is the same folder: a command writing it through the link
     stops at once while another writes it under its own name (and the other way round)."""
@@ -363,7 +350,7 @@ def _rerun(module: str, argv: list) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", [m for m in WRITERS if m != "train"])
+@pytest.mark.parametrize("module", WRITERS)
 def test_a_link_inside_the_output_is_never_written_through(module, tmp_path, refuses, load_script):
     """A link planted anywhere below a finished output folder (here in place of a subfolder or
     beside the files) is refused, naming it, before the command writes anything, and the
@@ -384,3 +371,15 @@ def test_a_link_inside_the_output_is_never_written_through(module, tmp_path, ref
     refuses(module, _rerun(module, argv), re.escape(str(planted.relative_to(tmp_path))))
     assert [p.name for p in victim.iterdir()] == ["000003.png"]
     assert (victim / "000003.png").read_bytes() == b"the user's image"
+
+
+@pytest.mark.parametrize("module", [m for m in WRITERS if m != "train"])
+def test_training_never_continues_in_another_commands_folder(module, tmp_path, refuses):
+    """A folder another command wrote (its marker says which) is not a run folder: training
+    into it is refused naming the writer, whatever that folder holds."""
+    name = WRITERS[module][0]
+    (tmp_path / "in").mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    write_output_marker(out, name)
+    refuses("train", _train(tmp_path / "in", out), rf"--output-dir .*out was written by moh-dit {name}")

@@ -16,6 +16,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from moh_dit.utils.output_folders import lock_path
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "train.py"
 PAUSING = ROOT / "tests" / "train_pausing.py"
@@ -86,13 +88,14 @@ def test_two_processes_killed_run_resumes_exactly_and_holds_its_folder(tmp_path,
         time.sleep(1.0)  # let it finish the save (verify, prune) and reach the pause
 
         # A second two-process launch into the busy folder: refused at once, on every rank.
-        holder = json.loads((killed / ".lock").read_text())
+        holder = json.loads(lock_path(killed).read_text())
         before = _tree(killed)
         started = time.monotonic()
         intruder = subprocess.run(_command(TRAIN, killed, images, "--resume", "latest"), env=_env(),
                                   capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
         assert intruder.returncode != 0
-        assert f"--output-dir {killed} is in use" in intruder.stderr, intruder.stderr[-3000:]
+        assert f"--output-dir {killed} is being written by another command (moh-dit train" in intruder.stderr, \
+            intruder.stderr[-3000:]
         assert f"pid {holder['pid']} on host {holder['host']}, started {holder['started']}" in intruder.stderr
         assert time.monotonic() - started < LAUNCH_TIMEOUT / 2
         assert victim.poll() is None and _tree(killed) == before, "the busy run was disturbed"

@@ -21,6 +21,7 @@ from moh_dit import MoHDiTTransformer2DModel
 from moh_dit.diffusion.gaussian_diffusion import create_diffusion
 from moh_dit.errors import DamagedFile, FolderInUse, InputNotFound, InvalidInput, OutputExists, TrainingDiverged
 from moh_dit.training import TrainConfig, TrainingDivergedError, find_latest_checkpoint, preflight, train
+from moh_dit.utils.output_folders import lock_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -382,7 +383,7 @@ def test_second_run_into_a_busy_folder_is_refused(tmp_path, data, monkeypatch):
             for i, resume in enumerate((None, "latest")):
                 seen[i] = str(refused(run, FolderInUse, lambda: train(config(tmp_path, data, max_steps=6,
                                                                              resume=resume)),
-                                      "output_dir", mentions=(run, "in use", f"pid {os.getpid()}")))
+                                      "output_dir", mentions=(run, "being written by another command (moh-dit train", f"pid {os.getpid()}")))
             assert tree_state(run) == before
 
     monkeypatch.setattr(trainer, "update_ema", update_and_intrude)
@@ -728,7 +729,7 @@ def test_a_file_system_without_locks_is_a_clear_error(tmp_path, data, load_scrip
     capsys.readouterr()
     assert run_cli_train(load_script, cli_args(tmp_path / "run", data)) == 1
     err = capsys.readouterr().err
-    assert "Traceback" not in err and re.search(r"cannot lock .*run/\.lock.*does not support file locks", err), err
+    assert "Traceback" not in err and re.search(r"cannot lock .*/\.run\.lock.*does not support file locks", err), err
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "train_config.json").exists()
 
 
@@ -1230,27 +1231,32 @@ def test_checkpoints_and_final_get_the_permissions_the_umask_gives(tmp_path, dat
 
 @pytest.mark.parametrize("call", [train, preflight])
 def test_a_link_in_place_of_the_lock_is_refused_and_its_target_kept(tmp_path, data, call):
-    """The run writes who holds the folder into OUT/.lock: through a link it would overwrite
-    (or create) whatever the link points to."""
+    """The run writes who holds the folder into its lock, .OUT.lock beside it: through a link it
+    would overwrite (or create) whatever the link points to."""
     run = tmp_path / "run"
     run.mkdir()
     victim = tmp_path / "victim.txt"
     victim.write_text("user data\n")
-    (run / ".lock").symlink_to(victim)
-    refused(tmp_path, FileExistsError, lambda: call(config(tmp_path, data)), mentions=(run / ".lock", "link"))
+    lock_path(run).symlink_to(victim)
+    refused(tmp_path, FileExistsError, lambda: call(config(tmp_path, data)), mentions=(lock_path(run), "link"))
     assert victim.read_text() == "user data\n"
 
 
 @pytest.mark.parametrize("extra", [[], ["--dry-run"]])
-def test_a_dangling_link_in_place_of_the_lock_creates_nothing(tmp_path, data, load_script, capsys, extra):
+@pytest.mark.parametrize("where", ["lock", "inside"])
+def test_a_dangling_link_creates_nothing(tmp_path, data, load_script, capsys, extra, where):
+    """A link in place of the lock, or anywhere inside the run folder (here where older versions
+    kept their lock), is refused naming it; nothing is created, its target included."""
     run = tmp_path / "run"
     run.mkdir()
-    (run / ".lock").symlink_to(tmp_path / "missing.txt")
+    link = lock_path(run) if where == "lock" else run / ".lock"
+    link.symlink_to(tmp_path / "missing.txt")
     capsys.readouterr()
     assert run_cli_train(load_script, cli_args(run, data, *extra)) == 1
     err = capsys.readouterr().err
-    assert "Traceback" not in err and re.search(r"error: .*\.lock is a symbolic link", err), err
-    assert not (tmp_path / "missing.txt").exists() and sorted(p.name for p in run.iterdir()) == [".lock"]
+    assert "Traceback" not in err and str(link) in err and "symbolic link" in err, err
+    assert not (tmp_path / "missing.txt").exists() and sorted(p.name for p in run.iterdir()) == (
+        [".lock"] if where == "inside" else [])
 
 
 @pytest.fixture
@@ -1404,7 +1410,7 @@ def test_a_folder_held_by_a_live_run_is_refused_by_the_dry_run_too(tmp_path, dat
 
     run = tmp_path / "run"
     assert run_cli_train(load_script, cli_args(run, data, "--max-steps", 2)) == 0
-    fd = lock_file(run / ".lock")  # a live run's hold (another open file: flock tells them apart)
+    fd = lock_file(lock_path(run))  # a live run's hold (another open file: flock tells them apart)
     try:
         write_lock_info(fd, {"pid": 4242, "host": "gpu7", "started": "today"})
         refused(tmp_path, FolderInUse, lambda: preflight(config(tmp_path, data, resume="latest")), "output_dir",

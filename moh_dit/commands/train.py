@@ -169,8 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value_type = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
         _add_flag(groups[one_of] if one_of is not None else p, f, value_type, p)
     p.add_argument("--dry-run", action="store_true",
-                   help="check everything, print the resolved configuration and exit (writes nothing, takes no lock; "
-                        "refuses a folder that a live run holds)")
+                   help="check everything, print the resolved configuration and exit (writes nothing; refuses a "
+                        "folder that another command is writing)")
     return p.parse_args(argv)
 
 

@@ -7,9 +7,10 @@ ICML 2025) keeps for MoH-DiT; docs/design.md section 5 has it in full: AdamW at 
 centre crop and horizontal flips, 1000-step linear diffusion with learned-range variance,
 loss = MSE(eps) + VB, plus ``lb_coeff`` times the model's load-balance loss.
 
-The run folder (docs/training.md) belongs to one run: while ``train`` runs it holds an
-OS lock on ``OUT/.lock``; a second run into the folder, or a new run over a finished one,
-is refused. To resume, call ``train`` again with ``resume="latest"``: checkpoints hold the
+The run folder (docs/training.md) belongs to one run: while ``train`` runs it holds the
+OS lock every command holds on the folder it writes (``.OUT.lock`` beside it); a second writer
+of the folder, a new run over a finished one, or a run into another command's output, is
+refused. To resume, call ``train`` again with ``resume="latest"``: checkpoints hold the
 model, EMA, optimiser, LR schedule, step, data position and every process's RNG states, so
 a resumed run continues bit for bit (tested on CPU, with one and two processes).
 Checkpoints are safetensors and JSON only -- nothing is unpickled -- written into a temporary
@@ -39,7 +40,7 @@ from .checkpoints import (CHECKPOINT_FORMAT, CHECKPOINT_PREFIX, COMPLETE_MARKER,
                           OPTIMIZER_FILE, REQUIRED_FILES, RNG_FILE, RUN_RECORD, SCALER_FILE, SCHEDULER_FILE, STATE_FILE,
                           find_latest_checkpoint, verify_checkpoint)
 from .config import DIFFUSION_STEPS, TrainConfig
-from .trainer import LOCK_FILE, preflight, sample_grid, train, update_ema
+from .trainer import preflight, sample_grid, train, update_ema
 
 TrainingDivergedError = TrainingDiverged
 RunFolderBusyError = FolderInUse

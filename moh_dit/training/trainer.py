@@ -19,13 +19,12 @@ replays, so nothing here may add, drop or reorder one.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
 import json
 import os
-import socket
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,13 +37,12 @@ from ..data.datasets import ImageFolderDataset, ResumableSampler, collate_skip_c
 from ..data.latents import LatentDataset, load_vae, vae_downsample_factor
 from ..diffusion.gaussian_diffusion import create_diffusion
 from ..diffusion.schedulers import make_scheduler
-from ..errors import FolderInUse, InputNotFound, InvalidInput, TrainingDiverged
+from ..errors import InputNotFound, InvalidInput, OutputExists, TrainingDiverged
 from ..models.presets import get_preset, resolve_layer_layout
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 from ..pipelines.pipeline_moh_dit import MoHDiTPipeline
-from ..utils.io import (FileLockedError, LinkRefusedError, atomic_write, lock_file, naming_write_errors,
-                        publish_folder, read_lock_info, write_lock_info)
-from ..utils.output_folders import write_output_marker
+from ..utils.io import atomic_write, naming_write_errors, publish_folder
+from ..utils.output_folders import hold_output_folder, marked_by, write_output_marker
 from ..utils.logging import get_logger, info_enabled
 from ..utils.runtime import set_tf32
 from ..utils.speed import compile_model, peak_flops, training_flops_per_image
@@ -55,26 +53,25 @@ from .schedules import build_lr_scheduler, ema_decay_at
 from .tracking import last_logged_usage, log_images, log_with, resolve_report_to, save_head_usage_figure
 
 logger = get_logger(__name__)
-LOCK_FILE = ".lock"
 
 
 def train(cfg: TrainConfig) -> Path:
     """Train the model of ``cfg`` (its preset; without one, the ``init_from`` folder's or the
     resumed run's architecture) and return the folder of the exported EMA model (``OUT/final``).
-    Every process runs every line; ``OUT/.lock`` is held from the first look at the folder
-    (or, for a folder without one yet, from the claim) to the end, however the run ends."""
+    Every process runs every line; the main process holds the folder's lock (``.OUT.lock``
+    beside it, as every command that writes a folder does) from its first look at the folder
+    to the end, however the run ends."""
     from accelerate.utils import set_seed
 
     accelerator, cfg = _start_accelerator(cfg)  # cfg from here on: with what the launch decided
-    lock = FolderLock(Path(cfg.output_dir))
-    try:
+    with contextlib.ExitStack() as held:
         # Set up, reading only until the folder is claimed: a refused run leaves it as it was.
-        def first_look() -> tuple[Start, list]:  # the main process's: busy? whose run? where from?
-            lock.probe()
-            seen = _listing(lock.out)
-            return find_start(cfg), seen
+        def first_look() -> Start:  # the main process's: take the folder, then whose run? where from?
+            held.enter_context(hold_output_folder(cfg.output_dir, "train"))
+            _check_writer(Path(cfg.output_dir))
+            return find_start(cfg)
 
-        start, seen = on_main(accelerator, first_look)
+        start = on_main(accelerator, first_look)
         cfg = start.cfg  # a resume without a preset: the run's
         if accelerator.device.type == "cuda":
             set_tf32(cfg.allow_tf32)
@@ -95,7 +92,7 @@ def train(cfg: TrainConfig) -> Path:
         facts = {"run_id": start.run_id, "data_path": run["data_path"], "num_processes": accelerator.num_processes,
                  "per_process_batch_size": data.per_process, "latent_shape": list(space.shape),
                  "model_config": model_config}
-        on_main(accelerator, lambda: _claim(lock, seen, start, facts, data.class_to_idx, parts.state.step))
+        on_main(accelerator, lambda: _record(start, facts, data.class_to_idx, parts.state.step))
         if cfg.report_to != "none":
             accelerator.init_trackers("moh-dit", config={k: v for k, v in dataclasses.asdict(cfg).items()
                                                          if isinstance(v, (int, float, str, bool))})
@@ -131,21 +128,22 @@ def train(cfg: TrainConfig) -> Path:
 
         # Finish: OUT/final, a pipeline folder.
         return _export_final(cfg, parts, space, data.class_to_idx)
-    finally:
-        lock.release()
 
 
 def preflight(cfg: TrainConfig) -> str:
     """Validate ``cfg`` and check its run folder as :func:`train` would, writing nothing and
-    taking no lock (a dry run); returns what ``train`` would do. A folder that a live run holds
-    is refused, as ``train`` would refuse it (:meth:`FolderLock.peek`)."""
+    leaving nothing behind (a dry run); returns what ``train`` would do. A folder that another
+    command writes, or that another command wrote, is refused as ``train`` would refuse it."""
     cfg.validate()
     resolved = cfg.resolved()
     # The batch of one process (the launch's number of processes is not known here).
     check_batch_memory(resolved, cfg.train_batch_size or max(1, (cfg.global_batch_size or DEFAULT_GLOBAL_BATCH_SIZE)
                                                               // resolved.gradient_accumulation_steps))
-    FolderLock(Path(cfg.output_dir)).peek()
-    start = find_start(resolved)  # with the VAE the run would use, as train's decision has it
+    out = Path(cfg.output_dir)
+    # Held only while an existing folder is read (a missing one has no writer and no run).
+    with hold_output_folder(out, "train") if out.exists() else contextlib.nullcontext():
+        _check_writer(out)
+        start = find_start(resolved)  # with the VAE the run would use, as train's decision has it
     if cfg.ema_warning() is not None:
         warn(cfg.ema_warning())
     if start.folder is not None:
@@ -154,87 +152,23 @@ def preflight(cfg: TrainConfig) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# The run folder's lock
+# The run folder
 # --------------------------------------------------------------------------------------
 
 
-def _busy(out: Path, holder: dict | None) -> FolderInUse:
-    who = (f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}" if holder
-           else "holder unknown: it is just starting")
-    return FolderInUse(f"output_dir {out} is in use by another training run ({who}; lock {out / LOCK_FILE}). Wait "
-                       "for it to finish, or use another output_dir.", parameters="output_dir")
+def _check_writer(out: Path) -> None:
+    """A run folder is new, a folder of the user's, or one that training wrote: the output of
+    another command (a sample folder, an export) is refused, so that training never mixes its
+    files with another command's."""
+    writer = marked_by(out) if out.is_dir() else None
+    if writer not in (None, "moh-dit train"):
+        raise OutputExists(f"output_dir {out} was written by {writer}, not by training; choose another output_dir.",
+                           parameters="output_dir")
 
 
-class FolderLock:
-    """The main process's hold on ``OUT/.lock``: probed before any work (an existing lock
-    file is locked without being changed), created if needed only once every check passed."""
-
-    def __init__(self, out: Path):
-        self.out, self.path, self.fd = out, out / LOCK_FILE, None
-
-    def probe(self) -> None:
-        if self.out.is_dir():
-            try:
-                self.fd = lock_file(self.path, create=False)
-            except FileLockedError as error:
-                raise _busy(self.out, error.holder) from None
-
-    def peek(self) -> None:
-        """Whether a live run holds the folder, without taking or creating the lock and without
-        writing: a shared lock tried on the existing file and let go at once (a live holder has
-        it exclusively). A link in place of the lock is refused, as :meth:`probe` refuses it."""
-        import fcntl
-
-        if self.path.is_symlink():
-            raise LinkRefusedError(f"{self.path} is a symbolic link, and a lock file is never written through a "
-                                   "link; delete the link and run the command again")
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _busy(self.out, read_lock_info(self.path)) from None
-        except OSError:
-            return  # a file system without locks: train itself says so when it takes the lock
-        finally:
-            os.close(fd)
-
-    def acquire(self) -> bool:
-        """Hold the lock and write who holds it; True if it had to be created (then the
-        caller re-checks the folder, which another process may have changed meanwhile)."""
-        created = self.fd is None
-        if created:
-            self.out.mkdir(parents=True, exist_ok=True)
-            try:
-                self.fd = lock_file(self.path, create=True)
-            except FileLockedError as error:
-                raise _busy(self.out, error.holder) from None
-        write_lock_info(self.fd, {"pid": os.getpid(), "host": socket.gethostname(),
-                                  "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "argv": sys.argv})
-        return created
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _listing(out: Path) -> list[list[str]]:
-    """What the run folder and its checkpoints/ hold, by name (the lock aside)."""
-    return [sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE) if folder.is_dir() else []
-            for folder in (out, out / "checkpoints")]
-
-
-def _claim(lock: FolderLock, seen: list, start: Start, facts: dict[str, Any], class_to_idx: dict[str, int],
-           step: int) -> None:
-    """On the main process, once the run's state has loaded: take the folder (the lock; created
-    now if the first look found none, when the folder must still hold what that look saw, or
-    another process started a run here meanwhile), then record the run and say what changed."""
-    if lock.acquire() and _listing(lock.out) != seen:
-        raise FolderInUse(f"output_dir {lock.out} changed while this run was starting; run it again.",
-                          parameters="output_dir")
+def _record(start: Start, facts: dict[str, Any], class_to_idx: dict[str, int], step: int) -> None:
+    """On the main process, once the run's state has loaded: record the run (the first write)
+    and say what changed."""
     if start.note is not None:
         logger.info(start.note)
     changed = record_run(start.cfg, facts, class_to_idx, step)  # start.cfg: as the launch decided it
