@@ -244,3 +244,13 @@ def test_train_classifier_script_refuses_bad_flags(shapes, refuses, tmp_path):
         (["--data-dir", data, "--output", tmp_path, "--overwrite"], "not a classifier folder"),
     ]:
         refuses("train_classifier", argv, match)
+
+
+def test_one_image_per_class_trains_with_no_held_out_images(tmp_path):
+    """With one image per class nothing can be held out: the classifier trains on all of them
+    and records its held-out accuracy as unknown (it used to crash stacking an empty list)."""
+    data = make_demo_dataset(tmp_path / "data", images_per_class=1, image_size=12)
+    trained = clf.train_classifier(data, tmp_path / "clf", image_size=12, epochs=1, width=2, batch_size=4)
+    record = json.loads((tmp_path / "clf" / "classifier.json").read_text())
+    assert trained.num_held_out == 0 and record["held_out"]["count"] == 0
+    assert np.isnan(trained.held_out_accuracy) and trained.num_train == len(trained.classes)

@@ -169,7 +169,9 @@ def _split(samples: list[tuple[str, int]], num_classes: int, fraction: float, se
 def _load_tensors(samples: list[tuple[str, int]], image_size: int, desc: str) -> tuple[torch.Tensor, torch.Tensor]:
     images = [image_to_tensor(center_crop_arr(load_image(path), image_size))
               for path, _ in tqdm(samples, desc=desc, leave=False, mininterval=1.0)]
-    return torch.stack(images), torch.tensor([label for _, label in samples], dtype=torch.long)
+    # No held-out images when every class has one image: an empty batch, accuracy unknown.
+    x = torch.stack(images) if images else torch.empty(0, 3, image_size, image_size)
+    return x, torch.tensor([label for _, label in samples], dtype=torch.long)
 
 
 def _augment(x: torch.Tensor, generator: torch.Generator, shift: int) -> torch.Tensor:
@@ -302,7 +304,8 @@ def train_classifier(
             })
             write_output_marker(tmp, "train-classifier")
     if log is not None:
-        log(f"classifier: {100 * accuracy:.1f}% on {len(held_items)} held-out real images "
+        log(f"classifier: {f'{100 * accuracy:.1f}%' if held_items else 'not measured (no image to hold out)'} on "
+            f"{len(held_items)} held-out real images "
             f"({len(classes)} classes, {len(train_items)} training images, {seconds:.0f} s) -> {output_dir}")
     return TrainedClassifier(output_dir, classes, accuracy, per_class, len(train_items), len(held_items), seconds)
 
