@@ -338,23 +338,37 @@ def cache_settings(latents_dir: str, image_size: int | None, vae: str | None) ->
 
 
 def check_batch_memory(cfg: "TrainConfig", per_process: int) -> None:
-    """Refuse a batch whose images alone cannot fit in this machine's memory, before anything
-    is written (once per command: the run's start, or its dry run). The estimate is a lower
-    bound: each image of ``per_process`` as float32, twice (the loader's items and the batch
-    they are stacked into), and the sampler's entry for it; the model's activations come on top."""
+    """Refuse a batch that cannot fit in this machine's memory, before anything is written (once
+    per command: the run's start, or its dry run). Counted: each input of ``per_process`` as
+    float32, twice (the loader's items and the batch they are stacked into), and the sampler's
+    entry for it; and, for a run on the CPU whose preset is known, the training step itself
+    (activations, weights, gradients, optimiser and EMA: ``training_step_bytes``). On a GPU the
+    step's memory is the device's, which reports its own shortage."""
+    import torch
+
+    from ..models.config_checks import training_step_bytes
+    from ..models.presets import get_preset
+
     if cfg.latents_dir is not None:
         from ..data.latents import read_cache_index
 
         shape = read_cache_index(cfg.latents_dir).get("latent_shape") or [4, 1, 1]
+        model_input = shape
     else:
         size = cfg.image_size or DEFAULT_IMAGE_SIZE
         shape = [3, size, size]
+        model_input = shape if cfg.pixel_space else [4, size // 8, size // 8]  # the SD VAE's latents
     item = 4 * math.prod(int(n) for n in shape)
+    needed = per_process * (2 * item + 128)
+    if cfg.preset is not None and not torch.cuda.is_available():
+        model = {**get_preset(cfg.preset), **cfg.model_overrides, "in_channels": model_input[0],
+                 "sample_size": model_input[1]}
+        needed += training_step_bytes(model, per_process)
     given = (f"global_batch_size {cfg.global_batch_size}" if cfg.global_batch_size is not None
              else f"train_batch_size {cfg.train_batch_size}" if cfg.train_batch_size is not None
              else f"the default global_batch_size {DEFAULT_GLOBAL_BATCH_SIZE}")
-    check_fits_in_memory(per_process * (2 * item + 128),
-                         f"{given} ({per_process} inputs of {'x'.join(map(str, shape))} per process and pass)",
+    check_fits_in_memory(needed, f"{given} ({per_process} inputs of {'x'.join(map(str, shape))} per process and pass"
+                         f"{', with ' + cfg.preset + ' training on them' if cfg.preset else ''})",
                          "use a smaller global_batch_size (or train_batch_size), more gradient_accumulation_steps, or "
                          "more processes", parameters=("global_batch_size", "train_batch_size",
                                                        "gradient_accumulation_steps"))
