@@ -105,6 +105,8 @@ def demo_inputs(tmp_path):
         ({"--output-dir": "{tmp}/existing"}, ["--overwrite"], "not a demo dataset"),
         ({"--output-dir": "{tmp}/a_file"}, ["--overwrite"], "exists and is not a folder"),
         ({"--output-dir": "{tmp}/a_file/shapes"}, [], "is a file"),
+        # About 48 TB of PNGs: refused at once, before the hours of writing that would fill the disk.
+        ({"--images-per-class": "1000000000"}, [], r"--images-per-class 1000000000 .* more than the .* free on the disk"),
     ],
 )
 def test_make_demo_dataset_script_refuses_bad_flags(tmp_path, demo_inputs, refuses, change, extra, match):

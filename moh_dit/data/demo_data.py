@@ -29,6 +29,7 @@ from ..errors import InvalidInput
 from ..hub.outputs import check_replaceable, naming_write_errors
 from ..utils.io import publish_folder, write_json_atomic
 from ..utils.output_folders import hold_output_folder, write_output_marker
+from ..utils.resources import check_fits_on_disk
 
 __all__ = ["DEMO_SHAPES", "DEMO_COLOURS", "demo_classes", "render_demo_image", "make_demo_dataset"]
 
@@ -118,7 +119,7 @@ def make_demo_dataset(
     so an interrupted run leaves nothing behind under that name. ``overwrite`` replaces an
     existing demo dataset (or empty folder) only after the new one is complete; any other
     folder is refused. Arguments are checked before anything is written: ``images_per_class``
-    >= 1, ``image_size`` in [12, 1024], ``seed`` >= 0. ``demo_dataset.json`` in
+    >= 1, ``image_size`` in [12, 1024], ``seed`` >= 0, and the images must fit on the disk. ``demo_dataset.json`` in
     the root records the settings (ImageFolder readers ignore files in the root).
     """
     for name, value, low, high in (("images_per_class", images_per_class, 1, None),
@@ -132,6 +133,12 @@ def make_demo_dataset(
     output_dir = Path(output_dir)
     check_replaceable(output_dir, overwrite, "make-demo-dataset", _is_demo_dataset,
                       "a demo dataset (no demo_dataset.json written by this script)")
+    # A lower bound of what the PNGs take: a quarter of their pixels' bytes (the shapes on a flat
+    # background compress well), and at least one 4 KiB file-system block each.
+    images = images_per_class * len(demo_classes())
+    check_fits_on_disk(images * max(4096, 3 * image_size**2 // 4), output_dir,
+                       f"images_per_class {images_per_class} ({images} images of {image_size} px)",
+                       "ask for fewer images, or write to a larger disk", parameters="images_per_class")
     with hold_output_folder(output_dir, "make-demo-dataset", "output_dir"):
         _draw(output_dir, overwrite, images_per_class, image_size, seed)
     return output_dir
