@@ -61,8 +61,10 @@ def test_overwrite_replaces_only_a_marked_or_recognised_folder(tmp_path):
     user = tmp_path / "user"
     user.mkdir()
     (user / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="pass --overwrite"):
+    with pytest.raises(FileExistsError, match="pass overwrite") as error:
         check_output_folder(user, False)
+    assert error.value.for_command({"overwrite": "--overwrite", "output_dir": "--output-dir"}).endswith(
+        "choose another --output-dir or pass --overwrite")
     with pytest.raises(FileExistsError, match="which is not the output of a moh-dit command"):
         check_output_folder(user, True)
     check_output_folder(user, True, is_ours=lambda p: (p / "notes.txt").exists())
@@ -80,9 +82,10 @@ def test_overwrite_replaces_only_a_marked_or_recognised_folder(tmp_path):
                                                   ("runs", "runs/data", "contains")])
 def test_outputs_never_inside_inputs(tmp_path, output, source, word):
     (tmp_path / source).mkdir(parents=True)
-    with pytest.raises(ValueError, match=f"--output-dir .* {word} --data-dir"):
-        check_outside_inputs(tmp_path / output, {"--data-dir": tmp_path / source, "--other": None})
-    check_outside_inputs(tmp_path / "elsewhere", {"--data-dir": tmp_path / source})
+    with pytest.raises(InvalidInput, match=f"^output_dir .* {word} data_dir") as error:
+        check_outside_inputs(tmp_path / output, {"data_dir": tmp_path / source, "other": None})
+    assert set(error.value.parameters) == {"output_dir", "data_dir"}
+    check_outside_inputs(tmp_path / "elsewhere", {"data_dir": tmp_path / source})
 
 
 def test_outputs_inside_inputs_are_found_through_links(tmp_path):

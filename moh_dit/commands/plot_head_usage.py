@@ -93,7 +93,7 @@ def _check_paths(args: argparse.Namespace) -> tuple[Path | None, Path]:
     elif not Path(args.log).expanduser().exists():
         raise FileNotFoundError(f"--log {args.log} does not exist; give a run's head_usage.jsonl or its run folder.")
     out = Path(args.output_dir).expanduser()
-    check_output_folder(out, args.overwrite, what="a folder moh-dit plot-head-usage wrote", flag="output_dir")
+    check_output_folder(out, args.overwrite, what="a folder moh-dit plot-head-usage wrote", parameter="output_dir")
     check_outside_inputs(out, {"model": None if args.model is None else Path(args.model).expanduser(),
                                "log": None if args.log is None else Path(args.log).expanduser()}, "output_dir")
     return model, out
@@ -156,7 +156,7 @@ def main(args: argparse.Namespace) -> int:
         log = Path(args.log).expanduser().resolve()
         title = args.title or f"{(log if log.is_dir() else log.parent).name}: head usage over training"
     with hold_output_folder(out, "plot-head-usage", "output_dir"):
-        check_output_folder(out, args.overwrite, what="a folder moh-dit plot-head-usage wrote", flag="output_dir")
+        check_output_folder(out, args.overwrite, what="a folder moh-dit plot-head-usage wrote", parameter="output_dir")
         if model is not None:
             usage = measure_head_usage(pipe, ids, images_per_class=args.images_per_class,
                                        num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale,

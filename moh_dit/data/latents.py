@@ -426,7 +426,7 @@ def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
     """Refuse outputs that would destroy something else; nothing is written here (the data
     folder and the VAE are kept apart by ``check_outside_inputs``)."""
     check_output_folder(output_dir, overwrite, _is_latent_cache,
-                        f"a latent cache (no {_INDEX} of format {LATENT_FORMAT!r})", named="output_dir ", flag="output_dir")
+                        f"a latent cache (no {_INDEX} of format {LATENT_FORMAT!r})", named="output_dir ", parameter="output_dir")
     partial = _partial_dir(output_dir)
     if partial.exists() and not partial.is_dir():
         raise FileExistsError(f"{str(partial)!r} is in the way of the extraction (not a folder); move it away")

@@ -34,7 +34,7 @@ def check_replaceable(path: Path, overwrite: bool, command: str, is_ours: Callab
     """Refuse ``path`` (the caller's ``parameter``) unless it can be created or ``overwrite`` may
     replace it (see the module docstring); ``what`` says what ``command`` recognises, for the
     refusal. Writes nothing."""
-    check_output_folder(path, overwrite, is_ours, what=what, named=f"{parameter} ", flag=parameter)
+    check_output_folder(path, overwrite, is_ours, what=what, named=f"{parameter} ", parameter=parameter)
     writer = marked_by(path) if path.is_dir() else None
     if writer is not None and writer != f"moh-dit {command}":
         raise OutputExists(f"overwrite would replace {str(path)!r}, which {writer} wrote, not moh-dit {command}; "

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
+from ..errors import InvalidInput
+
 __all__ = ["HeadLayout", "min_top_k", "top_k_for_ratio", "upcycle_reachable_range", "upcycle_layout"]
 
 
@@ -118,9 +120,9 @@ def upcycle_layout(heads: Sequence[int], ratio: float) -> tuple[list[int], list[
     total = sum(heads)
     lowest, _ = upcycle_reachable_range(heads)
     if not lowest - 1e-9 <= ratio <= 1.0 + 1e-9:  # also refuses nan; the margin admits len / sum as a float
-        raise ValueError(f"--activation {ratio} is outside the reachable range [{lowest:.4f}, 1.0] of this dense "
-                         f"model ({len(heads)} layers, {total} heads: at least one active head per layer, at most "
-                         "all of them).")
+        raise InvalidInput(f"activation {ratio} is outside the reachable range [{lowest:.4f}, 1.0] of this dense "
+                           f"model ({len(heads)} layers, {total} heads: at least one active head per layer, at most "
+                           "all of them).", parameters="activation")
     active = math.floor(Fraction(repr(float(ratio))) * total + Fraction(1, 2))
     active = min(max(active, len(heads)), total)
     shared, top_k = [], []

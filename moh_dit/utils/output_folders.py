@@ -68,39 +68,37 @@ def is_package_output(folder: str | os.PathLike) -> bool:
 
 def check_output_folder(path: Path, overwrite: bool, is_ours: Callable[[Path], bool] | None = None,
                         what: str = "the output of a moh-dit command", named: str = "",
-                        flag: str = "--output-dir") -> None:
+                        parameter: str = "output_dir") -> None:
     """Refuse ``path`` unless it can be created, or it is a folder ``overwrite`` may replace:
     empty, marked by a moh-dit command (:data:`OUTPUT_MARKER`), or recognised by ``is_ours``
     (outputs from before the marker). ``what`` says what is recognised, ``named`` (such as
-    ``"--output-dir "``) comes before the path where messages name it, and ``flag`` is the
-    option the advice tells to change. Nothing is written here."""
+    ``"output_dir "``) comes before the path where messages name it, and ``parameter`` is the
+    one the advice tells to change. Nothing is written here."""
     shown = f"{named}{str(path)!r}"
+    names = (parameter, "overwrite")
     if path.exists() or path.is_symlink():
         if not path.is_dir():
-            raise OutputExists(f"{shown} exists and is not a folder; choose another {flag}", parameters=flag)
+            raise OutputExists(f"{shown} exists and is not a folder; choose another {parameter}", parameters=names)
         if not overwrite:
-            raise OutputExists(
-                f"{str(path)!r} already exists; delete it, choose another {flag} or pass --overwrite", parameters=flag
-            )
+            raise OutputExists(f"{str(path)!r} already exists; delete it, choose another {parameter} or pass "
+                               "overwrite", parameters=names)
         ours = is_package_output(path) or (is_ours is not None and is_ours(path))
         if not ours and any(path.iterdir()):
-            # --overwrite replaces what this writer made; it never deletes an unrelated folder.
-            raise OutputExists(
-                f"--overwrite would replace {str(path)!r}, which is not {what}; choose another {flag}, "
-                "or delete it yourself", parameters=flag
-            )
+            # overwrite replaces what this writer made; it never deletes an unrelated folder.
+            raise OutputExists(f"overwrite would replace {str(path)!r}, which is not {what}; choose another "
+                               f"{parameter}, or delete it yourself", parameters=names)
     # Missing parent folders are created when the work starts; a file in their place cannot be.
     ancestor = path.absolute().parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise OutputExists(f"cannot create {shown}: {str(ancestor)!r} is a file", parameters=flag)
+        raise OutputExists(f"cannot create {shown}: {str(ancestor)!r} is a file", parameters=parameter)
 
 
 def check_folder_path(path: str | os.PathLike, what: str, advice: str = "give a folder",
                       error: type[Exception] = ValueError) -> None:
     """Refuse a folder path that is a file or lies under one, before anything is made; the
-    message names the path as ``what`` (a flag such as ``--output``) and ends with ``advice``."""
+    message names the path as ``what`` (a parameter such as ``output_dir``) and ends with ``advice``."""
     path = Path(path)
     for folder in (path, *path.parents):
         if folder.exists():
@@ -116,9 +114,9 @@ def _inside(inner: Path, outer: Path) -> bool:
 
 
 def check_outside_inputs(output: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None],
-                         output_flag: str = "--output-dir") -> None:
-    """Refuse an output folder that is, lies inside, or contains one of ``inputs`` (flag ->
-    path; None is skipped), comparing real paths (links resolved). What a command writes
+                         output_flag: str = "output_dir") -> None:
+    """Refuse an output folder that is, lies inside, or contains one of ``inputs`` (parameter ->
+    path; None is skipped; ``output_flag`` names the output), comparing real paths (links resolved). What a command writes
     must never become what it reads: sample grids turning into training images, a cache
     replacing the data it was made from."""
     out = Path(output).resolve()
