@@ -187,7 +187,7 @@ def _calibration_inside(root: Path) -> list:
 
 
 INSIDE = [
-    ("convert_checkpoint", _conv_holding_its_checkpoint, "conv is --checkpoint"),
+    ("convert_checkpoint", _conv_holding_its_checkpoint, "conv contains --checkpoint"),
     ("upcycle", lambda root: _upcycle(root, root / "dense" / "up"), "up lies inside --checkpoint"),
     ("upcycle", _calibration_inside, "up lies inside --calibration-data"),
     ("export_pipeline", lambda root: _export(root, root / "model" / "export"), "export lies inside --model"),

@@ -264,7 +264,7 @@ WRITERS = {
     "extract_latents": ("extract-latents", _extract_latents, "data", True),
     "sample": ("sample", _sample, "moh", False),
     "sweep_head_ratio": ("sweep", _sweep, "moh", False),
-    "convert_checkpoint": ("convert", _convert, "release", True),  # never inside the checkpoint's folder
+    "convert_checkpoint": ("convert", _convert, None, True),  # reads a file: writing beside it is fine
     "upcycle": ("upcycle", _upcycle, "dense", True),
     "export_pipeline": ("export", _export, "moh", True),
     "train_classifier": ("train-classifier", _train_classifier, "data", True),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-__all__ = ["COMMANDS", "command_name", "main"]
+__all__ = ["COMMANDS", "command_name", "command_prog", "main"]
 
 # subcommand -> (module, what it does)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -37,6 +37,12 @@ def command_name(module: str) -> str | None:
     if package != __name__:
         return None
     return next((name for name, (mod, _) in COMMANDS.items() if mod == leaf), None)
+
+
+def command_prog(module: str) -> str:
+    """``moh-dit <command>``, the name a command module's parser shows (``module``: its
+    ``__spec__.name``, which stays the module's name under ``python -m``)."""
+    return f"moh-dit {command_name(module)}"
 
 
 def _usage() -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moh_dit.commands import command_prog
 from moh_dit.utils.cli import EXPECTED_ERRORS, ArgumentParser, command, run_cli
 from moh_dit.utils.logging import get_logger
 
@@ -37,7 +38,7 @@ def _at_least_one(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
                         help="a pipeline folder, a run's final/, an export or a save_pretrained transformer folder")
     parser.add_argument("--vae", default=None,

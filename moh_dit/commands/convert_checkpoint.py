@@ -10,8 +10,9 @@
 
 An unreadable checkpoint, a wrong preset or a bad --output-dir is refused with one error line
 before anything is written. --overwrite replaces only an earlier conversion (a folder marked by
-moh-dit convert, or a saved model folder from before the marker), never another folder, and the
-output never lies inside the checkpoint's folder (nor contains the checkpoint).
+moh-dit convert, or a saved model folder from before the marker), never another folder. The
+output never lies inside a checkpoint given as a folder (a diffusers model folder) and never
+contains the checkpoint; beside a checkpoint file, as in the examples, is fine.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moh_dit.commands import command_prog
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.hub.convert import convert_checkpoint
 from moh_dit.models.presets import PRESETS
@@ -28,7 +30,7 @@ logger = get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help=".pt/.pth/.safetensors file, diffusers folder, URL or Hub id (only an org/name that is "
                              "not a local path is looked up on the Hub)")

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from moh_dit.evaluation.classifier import load_classifier, train_classifier
 from moh_dit.hub.outputs import marked_by
+from moh_dit.commands import command_prog
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.utils.io import atomic_write, write_json_atomic
 from moh_dit.utils.output_folders import (OUTPUT_MARKER, check_outside_inputs, hold_output_folder,
@@ -117,7 +118,7 @@ def ratio_picture(pipe, ratios=PICTURE_RATIOS, steps: int = 25, guidance_scale: 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output-dir", default="demo_output", help="the demo's folder (default: %(default)s)")
     p.add_argument("--preset", default="MoH-DiT-Tiny/2")
     p.add_argument("--image-size", type=int, default=16, help="pixels; the preset's patch size must divide it")

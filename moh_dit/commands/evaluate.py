@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from moh_dit.commands import command_prog
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.evaluation.classifier import load_classifier
 from moh_dit.evaluation import (
@@ -60,7 +61,7 @@ logger = get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", required=True, help="sample .npz (arr_0, uint8 NHWC) or image folder")
     parser.add_argument("--ref", dest="reference", metavar="REF", required=True,
                         help="ADM reference batch .npz, or image .npz/folder of real images")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moh_dit.commands import command_prog
 from moh_dit.utils.cli import ArgumentParser, EXPECTED_ERRORS, command, run_cli
 from moh_dit.hub.export import VARIANTS, HubPushError, export_pipeline
 from moh_dit.utils.logging import get_logger, info_enabled
@@ -25,7 +26,7 @@ logger = get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
                         help="a training run folder (its final/ and train_config.json), a final/ folder, a pipeline "
                              "folder or a save_pretrained transformer folder")

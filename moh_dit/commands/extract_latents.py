@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moh_dit.commands import command_prog
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.data.latents import extract_latents
 from moh_dit.utils.logging import info_enabled
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", required=True, help="ImageFolder root: one subfolder per class")
     parser.add_argument("--vae", required=True, help="AutoencoderKL hub id or local diffusers folder")
     parser.add_argument("--vae-subfolder", default=None, help="subfolder holding the VAE, e.g. 'vae' in a pipeline repo")

@@ -9,6 +9,7 @@ import argparse
 import sys
 import time
 
+from moh_dit.commands import command_prog
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.data.demo_data import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, demo_classes, make_demo_dataset
 from moh_dit.utils.logging import get_logger
@@ -17,7 +18,7 @@ logger = get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True, help="folder to create (must not exist unless --overwrite)")
     parser.add_argument("--images-per-class", type=int, default=300, help="images in each of the 12 classes")
     parser.add_argument("--image-size", type=int, default=32,

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from moh_dit.evaluation.head_usage import MAX_DEFAULT_CLASSES, default_classes
+from moh_dit.commands import command_prog
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.utils.logging import get_logger
 
@@ -33,7 +34,7 @@ _SEED_MAX = 0xFFFF_FFFF_FFFF_FFFF  # torch.Generator.manual_seed's largest seed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a pipeline folder, a save_pretrained transformer folder, or a training run "
                         "folder with final/: sample it and measure")

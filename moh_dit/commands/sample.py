@@ -30,6 +30,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
+from moh_dit.commands import command_prog
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.utils.output_folders import check_outside_inputs, hold_output_folder
 from moh_dit.utils.logging import get_logger, info_enabled
@@ -69,7 +70,7 @@ def ratio_or_schedule(text: str) -> float | str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
                         help="a MoHDiTPipeline folder, a training run folder (its final/) or a save_pretrained "
                              "transformer folder")

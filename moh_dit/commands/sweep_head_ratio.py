@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from moh_dit.commands import command_prog
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.utils.logging import get_logger, info_enabled
 from moh_dit.evaluation import INCEPTION_WEIGHTS_ENV, reference_cache_dir
@@ -59,7 +60,7 @@ logger = get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a MoHDiTPipeline folder, a training run folder (its final/) or "
                         "a save_pretrained transformer folder")
     parser.add_argument("--ref", required=True, help="ADM reference batch .npz, or an image folder / .npz of real images")

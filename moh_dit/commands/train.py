@@ -34,6 +34,7 @@ import typing
 
 from moh_dit.errors import MoHDiTError
 from moh_dit.models.presets import PRESETS
+from moh_dit.commands import command_prog
 from moh_dit.utils.cli import ArgumentParser, EXPECTED_ERRORS, command, environment_fault, run_cli
 from moh_dit.utils.logging import get_logger
 from moh_dit.utils.speed import COMPILE_MODES
@@ -159,7 +160,7 @@ def _add_flag(parser, f: dataclasses.Field, value_type: type, root: ArgumentPars
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(TrainConfig)
     groups: dict[str, typing.Any] = {}
     for f in _flag_fields().values():

@@ -19,6 +19,7 @@ import sys
 import torch
 
 from moh_dit.evaluation.classifier import train_classifier
+from moh_dit.commands import command_prog
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.utils.logging import get_logger
 
@@ -26,7 +27,7 @@ logger = get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", required=True, help="ImageFolder of real images (root/<class>/<image>)")
     p.add_argument("--output-dir", required=True, help="folder to write the classifier to")
     p.add_alias("--output", "--output-dir")

@@ -29,6 +29,7 @@ import argparse
 import sys
 import torch
 
+from moh_dit.commands import command_prog
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.hub.outputs import local_path
 from moh_dit.hub.upcycle import check_output, save_upcycled, upcycle
@@ -48,7 +49,7 @@ def _layers(text: str) -> int | list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="dense model: a saved model folder, or what moh-dit convert reads")
     p.add_argument("--output-dir", required=True,
                    help="new folder for the MoH model (must not exist, or be empty; see --overwrite)")

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from moh_dit.commands import command_prog
 from moh_dit.utils.cli import ArgumentParser, command, run_cli
 from moh_dit.data.demo_data import make_demo_dataset
 from moh_dit.hub.outputs import marked_by
@@ -50,7 +51,7 @@ IMAGE_SIZE = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output-dir", default="upcycle_demo", help="the demo's folder (default: %(default)s)")
     # N and M are kept small so the whole comparison runs on a CPU in one sitting: it costs 2N + 3M
     # training steps, then 5 x --eval-samples images and the reference through the Inception network

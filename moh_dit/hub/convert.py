@@ -416,10 +416,7 @@ def convert_checkpoint(
         return _convert(checkpoint, preset, config, weights, sample_size, num_classes, allow_divergent_embeddings)
     output_dir = Path(output_dir)
     _check_output(output_dir, overwrite)  # before the (slow) load: nothing is read for a refused output_dir
-    source = local_path(checkpoint)  # the output never lies in the checkpoint's folder, nor contains it
-    folder = None if source is None else Path(source).expanduser()
-    check_outside_inputs(output_dir, {"checkpoint": folder if folder is None or folder.is_dir() else folder.parent},
-                         "output_dir")
+    check_outside_inputs(output_dir, {"checkpoint": local_path(checkpoint)}, "output_dir")
     with hold_output_folder(output_dir, "convert", "output_dir"):
         model = _convert(checkpoint, preset, config, weights, sample_size, num_classes, allow_divergent_embeddings)
         save_pretrained_atomic(model, output_dir, overwrite=overwrite)

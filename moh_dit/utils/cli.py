@@ -8,7 +8,6 @@ import argparse
 import errno
 import functools
 import sys
-from types import FrameType
 from typing import Any, Callable, Sequence
 
 from ..errors import MoHDiTError
@@ -50,15 +49,12 @@ class ArgumentParser(argparse.ArgumentParser):
     ``--train_data_dir`` for ``--data-dir``); neither shows in ``--help``, which lists each
     flag once. ``-q/--quiet`` (warnings and errors only) and ``-v/--verbose`` (debug messages)
     set the package's log level (``moh_dit.utils.logging``); the default shows progress.
-    A parser made in a command's module is named ``moh-dit <command>`` in its usage line and
-    errors, however the command was started (``moh-dit``, ``python scripts/X.py``, ``cli(argv)``).
+    Each command names its parser ``moh-dit <command>`` (``prog=command_prog(__spec__.name)``),
+    so usage lines and errors read the same however it was started (``moh-dit``,
+    ``python scripts/X.py``, ``python -m``, ``cli(argv)``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
-        if not args and "prog" not in kwargs:
-            prog = _command_prog(sys._getframe(1))
-            if prog is not None:
-                kwargs["prog"] = prog
         super().__init__(*args, **kwargs)
         self._aliases: dict[str, str] = {}
         verbosity = self.add_mutually_exclusive_group()
@@ -99,21 +95,6 @@ class ArgumentParser(argparse.ArgumentParser):
         args = list(sys.argv[1:] if args is None else args)
         end = args.index("--") if "--" in args else len(args)  # after "--" everything is a value
         return super().parse_known_args([self._spelled(a) for a in args[:end]] + args[end:], namespace)
-
-
-def _command_prog(frame: FrameType | None) -> str | None:
-    """``moh-dit <command>`` when ``frame`` runs in a command's module (imported, or run with
-    ``python -m``), else None."""
-    if frame is None:
-        return None
-    module = frame.f_globals.get("__name__", "")
-    if module == "__main__":
-        spec = frame.f_globals.get("__spec__")
-        module = getattr(spec, "name", "") or ""
-    from ..commands import command_name  # only the name table: no command module is imported
-
-    name = command_name(module)
-    return None if name is None else f"moh-dit {name}"
 
 
 def command(main: Callable[[Any], Any]) -> Callable[[Any], Any]:
