@@ -253,3 +253,67 @@ def test_the_export_marker_is_not_listed_in_the_model_card(tmp_path, load_script
     assert load_script("export_pipeline").cli([str(a) for a in argv]) == 0
     assert (tmp_path / "export" / OUTPUT_MARKER).is_file()
     assert OUTPUT_MARKER not in (tmp_path / "export" / "README.md").read_text()
+
+
+# --------------------------------------------------------------------------------------
+# moh-dit sweep: "prints a table (not with --quiet)"
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sweep_prints_its_table_but_not_with_quiet(tmp_path, load_script, capsys):
+    argv = [str(a) for a in _sweep_argv(tmp_path)] + ["--random-inception-seed", "0", "--bootstrap", "0"]
+    assert load_script("sweep_head_ratio").cli(argv) == 0
+    shown = capsys.readouterr()
+    assert "ratio" in shown.out and "fid" in shown.out.lower()
+    argv[argv.index(str(tmp_path / "sweep"))] = str(tmp_path / "quiet")
+    assert load_script("sweep_head_ratio").cli(argv + ["--quiet"]) == 0
+    assert capsys.readouterr() == ("", "")
+    assert (tmp_path / "quiet" / "sweep.json").is_file()
+
+
+# --------------------------------------------------------------------------------------
+# docs/evaluation.md: "Distances are computed in blocks, so a 50k x 50k matrix never exists"
+# --------------------------------------------------------------------------------------
+
+def test_precision_recall_never_holds_more_than_a_block_of_distances(monkeypatch):
+    from moh_dit.evaluation import metrics
+
+    rng = np.random.default_rng(0)
+    ref, smp = rng.normal(size=(40, 6)), rng.normal(size=(37, 6)) + 0.3
+    whole = metrics.precision_recall(ref, smp)  # one block: the reference numbers
+    shapes = []
+    distances = metrics._squared_distances
+
+    def recorded(u, v, adm_float16):
+        shapes.append((u.shape[0], v.shape[0]))
+        return distances(u, v, adm_float16)
+
+    monkeypatch.setattr(metrics, "_squared_distances", recorded)
+    assert metrics.precision_recall(ref, smp, batch_size=8) == whole
+    assert shapes and max(r for r, _ in shapes) <= 8 and max(c for _, c in shapes) <= 8
+
+
+# --------------------------------------------------------------------------------------
+# moh-dit evaluate: a sample .npz is "streamed, never loaded whole"
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_sample_npz_is_streamed_never_loaded_whole(tmp_path, compressed):
+    import tracemalloc
+
+    from moh_dit.evaluation.sources import open_image_source
+
+    images = np.random.default_rng(0).integers(0, 256, (4096, 16, 16, 3), dtype=np.uint8)  # 3 MiB
+    (np.savez_compressed if compressed else np.savez)(tmp_path / "samples.npz", arr_0=images)
+    source = open_image_source(tmp_path / "samples.npz", "samples")
+    seen = 0
+    tracemalloc.start()
+    try:
+        for batch in source.batches(16):
+            assert np.array_equal(batch.numpy(), images[seen:seen + len(batch)])
+            seen += len(batch)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seen == len(images)
+    assert peak < images.nbytes / 8, f"peak {peak} bytes while reading a {images.nbytes}-byte array"
