@@ -116,10 +116,9 @@ def test_train_dry_run_refuses_a_folder_another_command_is_writing(tmp_path, ref
                 r"--output-dir .*run is being written by another command \(moh-dit sample, pid \d+")
 
 
-@pytest.mark.xfail(strict=True, reason="train --dry-run checks the lock only of a folder that exists (preflight: "
-                   "'a missing one has no writer'), but export, convert and upcycle build their output aside and "
-                   "rename it at the end, so a folder being written need not exist yet; the run itself refuses it")
 def test_train_dry_run_refuses_a_folder_another_command_is_still_building(tmp_path, refuses):
+    """export, convert and upcycle build their folder aside and rename it when complete: the
+    folder they are writing need not exist yet, and the dry run refuses it as the run does."""
     out = tmp_path / "run"
     argv = _train_dry_run(tmp_path, out)
     with hold_output_folder(out, "export", "--output-dir"):
@@ -170,10 +169,8 @@ def test_plot_head_usage_never_writes_into_the_run_folder_it_reads(tmp_path, ref
     assert load_script("plot_head_usage").cli([str(a) for a in argv]) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="with --log RUN/head_usage.jsonl the output is compared with the file only "
-                   "(check_outside_inputs), so --output-dir RUN/figures is written into the log's folder, which "
-                   "docs/head_usage.md says never happens")
 def test_plot_head_usage_never_writes_into_the_folder_of_the_log_file(tmp_path, refuses):
+    """--log RUN/head_usage.jsonl reads a run folder: the output may not lie in RUN either."""
     run = tmp_path / "run"
     log = _training_log(run)
     refuses("plot_head_usage", ["--log", log, "--output-dir", run / "figures", "--step-bins", "1"],
