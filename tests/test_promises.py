@@ -364,3 +364,44 @@ def test_the_app_never_takes_more_than_16_images_a_request(tmp_path, load_script
     monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: launched.append(self))
     code = load_script("app").cli(["--model", str(_moh(tmp_path)), "--max-images", "40", "--max-steps", "5", "-q"])
     assert code != 0 or launched[0].moh_app.limits.max_images <= 16
+
+
+# --------------------------------------------------------------------------------------
+# docs/evaluation.md: "--output ... and a reference cache folder that is, lies inside or
+# contains --samples or --ref: what a command writes never becomes what it reads"
+# (--output equal to --samples / --labels: tests/test_evaluation_safety.py::test_output_is_never_an_input)
+# --------------------------------------------------------------------------------------
+
+class _TinyFeatures(torch.nn.Module):
+    """A cheap stand-in for the random Inception, should a refusal ever let the command run."""
+
+    def forward(self, images: torch.Tensor) -> dict:
+        pooled = torch.nn.functional.adaptive_avg_pool2d(images.float() / 255.0, 4).flatten(1)
+        return {"pool": pooled, "logits": pooled[:, :10], "spatial": pooled[:, :6]}
+
+
+@pytest.mark.parametrize("flags, match", [
+    ({"--cache-dir": "{tmp}"}, r"--cache-dir .* contains --samples"),
+    ({"--cache-dir": "{ref}"}, r"--cache-dir .*ref is --ref"),
+    ({"--cache-dir": "{ref}/cache"}, r"--cache-dir .*cache lies inside --ref"),
+    ({"--output": "{ref}/metrics.json"}, r"--output .*metrics\.json lies inside --ref"),
+    ({"--output": "{tmp}/samples.npz"}, r"--output .*samples\.npz is --samples"),
+])
+def test_evaluate_never_writes_what_it_reads(flags, match, tmp_path, refuses, load_script, monkeypatch):
+    from PIL import Image
+
+    from moh_dit import evaluation
+
+    monkeypatch.setattr(evaluation, "build_random_inception", lambda seed: _TinyFeatures())
+    (tmp_path / "ref").mkdir()
+    for i, image in enumerate(np.random.default_rng(1).integers(0, 256, (5, 16, 16, 3), dtype=np.uint8)):
+        Image.fromarray(image).save(tmp_path / "ref" / f"{i}.png")
+    _images(tmp_path / "samples.npz", count=5, size=16)
+    base = {"--samples": "{tmp}/samples.npz", "--ref": "{ref}", "--random-inception-seed": "0", "--device": "cpu",
+            "--num-workers": "0", "--cache-dir": "{tmp}/cache", "--output": "{tmp}/metrics.json"}
+    fill = lambda value: value.replace("{tmp}", str(tmp_path)).replace("{ref}", str(tmp_path / "ref"))
+    argv = lambda extra: [x for flag, value in {**base, **extra}.items() for x in (flag, fill(value))]
+    refuses("evaluate", argv(flags), match)
+    # The same command writing elsewhere runs: the refusal was the place.
+    assert load_script("evaluate").cli(argv({})) == 0
+    assert (tmp_path / "metrics.json").is_file() and (tmp_path / "cache").is_dir()
