@@ -356,6 +356,7 @@ def test_evaluate_downloads_nothing_unless_asked(tmp_path, network_attempts, loa
 # (the default's cap: tests/test_app.py::test_limits_follow_the_model_and_the_machine)
 # --------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # Gradio's import and the page: about 5 s
 @pytest.mark.xfail(strict=True, reason="--max-images takes any number >= 1 (moh-dit app --max-images 40 serves 40 "
                    "images a request), while docs/app.md says never more than 16; only the measured default is capped")
 def test_the_app_never_takes_more_than_16_images_a_request(tmp_path, load_script, monkeypatch):
