@@ -95,8 +95,10 @@ def _check_paths(args: argparse.Namespace) -> tuple[Path | None, Path]:
         raise FileNotFoundError(f"--log {args.log} does not exist; give a run's head_usage.jsonl or its run folder.")
     out = Path(args.output_dir).expanduser()
     check_output_folder(out, args.overwrite, what="a folder moh-dit plot-head-usage wrote", parameter="output_dir")
+    log = None if args.log is None else Path(args.log).expanduser()
+    # The log's folder is a training run's: the figures never go into it (nor the model's folder).
     check_outside_inputs(out, {"model": None if args.model is None else Path(args.model).expanduser(),
-                               "log": None if args.log is None else Path(args.log).expanduser()}, "output_dir")
+                               "log": log if log is None or log.is_dir() else log.parent}, "output_dir")
     return model, out
 
 

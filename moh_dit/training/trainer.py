@@ -42,7 +42,7 @@ from ..models.presets import get_preset, resolve_layer_layout
 from ..models.transformer_moh_dit import MoHDiTTransformer2DModel
 from ..pipelines.pipeline_moh_dit import MoHDiTPipeline
 from ..utils.io import atomic_write, naming_write_errors, publish_folder
-from ..utils.output_folders import hold_output_folder, marked_by, write_output_marker
+from ..utils.output_folders import hold_output_folder, lock_path, marked_by, write_output_marker
 from ..utils.logging import get_logger, info_enabled
 from ..utils.runtime import set_tf32
 from ..utils.speed import compile_model, peak_flops, training_flops_per_image
@@ -140,8 +140,9 @@ def preflight(cfg: TrainConfig) -> str:
     check_batch_memory(resolved, cfg.train_batch_size or max(1, (cfg.global_batch_size or DEFAULT_GLOBAL_BATCH_SIZE)
                                                               // resolved.gradient_accumulation_steps))
     out = Path(cfg.output_dir)
-    # Held only while an existing folder is read (a missing one has no writer and no run).
-    with hold_output_folder(out, "train") if out.exists() else contextlib.nullcontext():
+    # Held only while the folder is read, and only where its lock can already be (beside it): a
+    # dry run creates no folder, but refuses one that another command is building.
+    with hold_output_folder(out, "train") if lock_path(out).parent.is_dir() else contextlib.nullcontext():
         _check_writer(out)
         start = find_start(resolved)  # with the VAE the run would use, as train's decision has it
     if cfg.ema_warning() is not None:
