@@ -342,31 +342,6 @@ def test_the_demos_never_reach_the_network(module, tmp_path, network_attempts, l
     assert "NOT comparable" in shown.out + shown.err  # the random Inception, said so
 
 
-@pytest.mark.xfail(strict=True, reason="README.md says nothing is downloaded at run time unless Hub weights are asked "
-                   "for, but moh-dit evaluate (and sweep) without --inception-weights or --no-download downloads "
-                   "the Inception weights from torch-fidelity's GitHub release when none are found (their --help "
-                   "says so); the README's sentence or the default has to change")
-def test_evaluate_downloads_nothing_unless_asked(tmp_path, network_attempts, load_script):
-    load_script("evaluate").cli([str(a) for a in _evaluate_argv(tmp_path)])
-    assert network_attempts == [], network_attempts
-
-
-# --------------------------------------------------------------------------------------
-# docs/app.md: "at most max_images images (classes x seeds x ratios, never more than 16)"
-# (the default's cap: tests/test_app.py::test_limits_follow_the_model_and_the_machine)
-# --------------------------------------------------------------------------------------
-
-@pytest.mark.slow  # Gradio's import and the page: about 5 s
-@pytest.mark.xfail(strict=True, reason="--max-images takes any number >= 1 (moh-dit app --max-images 40 serves 40 "
-                   "images a request), while docs/app.md says never more than 16; only the measured default is capped")
-def test_the_app_never_takes_more_than_16_images_a_request(tmp_path, load_script, monkeypatch):
-    gr = pytest.importorskip("gradio")
-    launched = []
-    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: launched.append(self))
-    code = load_script("app").cli(["--model", str(_moh(tmp_path)), "--max-images", "40", "--max-steps", "5", "-q"])
-    assert code != 0 or launched[0].moh_app.limits.max_images <= 16
-
-
 # --------------------------------------------------------------------------------------
 # docs/evaluation.md: "--output ... and a reference cache folder that is, lies inside or
 # contains --samples or --ref: what a command writes never becomes what it reads"
