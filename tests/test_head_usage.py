@@ -278,16 +278,20 @@ def test_the_command_writes_the_figure_and_its_numbers(model_folder, tmp_path, l
 def _bad_inputs(tmp_path, model_folder):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    _write_log(tmp_path / "head_usage.jsonl", [1], tail="{broken\n")
+    (tmp_path / "broken").mkdir(exist_ok=True)  # the log's folder, which the output stays out of
+    _write_log(tmp_path / "broken" / "head_usage.jsonl", [1], tail="{broken\n")
     moh, out = str(model_folder / "moh"), str(tmp_path / "out")
     return [
-        (["--log", tmp_path / "head_usage.jsonl", "--output", out, "--seed", "3"], "--seed applies to --model only"),
+        (["--log", tmp_path / "broken" / "head_usage.jsonl", "--output", out, "--seed", "3"],
+         "--seed applies to --model only"),
         (["--model", moh, "--output", out, "--images-per-class", "0"], "--images-per-class must be >= 1"),
         (["--model", moh, "--output", out, "--guidance-scale", "0.5"], "--guidance-scale must be"),
         (["--model", moh, "--output", out, "--seed", "-1"], "--seed must be in"),
         (["--model", tmp_path / "nothing", "--output", out], "does not exist"),
         (["--log", tmp_path / "nothing.jsonl", "--output", out], "--log .* does not exist"),
-        (["--log", tmp_path / "head_usage.jsonl", "--output", out], "line 2: not JSON"),
+        (["--log", tmp_path / "broken" / "head_usage.jsonl", "--output", out], "line 2: not JSON"),
+        (["--log", tmp_path / "broken" / "head_usage.jsonl", "--output", tmp_path / "broken" / "figures"],
+         "lies inside --log"),
         (["--model", moh, "--output", tmp_path / "mine"], "already exists"),
         (["--model", moh, "--output", tmp_path / "mine", "--overwrite"], "not a folder moh-dit plot-head-usage wrote"),
         (["--model", moh, "--output", model_folder / "moh" / "figures"], "never writes into what it reads"),
