@@ -134,17 +134,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_scratch(path: str | os.PathLike, kind: str) -> None:
-    """Remove the scratch files or folders (``kind``: ``"tmp"`` or ``"part"``) that a process of
-    this host left beside ``path`` when it was killed before finishing: those whose pid is not
-    running. Scratch of live processes, of other hosts, and links are left alone."""
-    path = Path(path)
-    prefix = _scratch_prefix(path, kind).rsplit("-", 2)[0] + "-"  # ".NAME.kind-HOST-"
-    if not path.parent.is_dir():
+# Folders this process has already cleaned: each is listed once, not at every write into it
+# (a sample folder receives tens of thousands of files).
+_cleaned: set[tuple[int, Path]] = set()
+
+
+def remove_stale_scratch(folder: str | os.PathLike) -> None:
+    """Remove the scratch files and folders that a process of this host left in ``folder`` when
+    it was killed before finishing (names ``.NAME.tmp-HOST-PID-*`` / ``.NAME.part-HOST-PID-*``
+    whose PID is not running). Scratch of live processes, of other hosts, and links are left
+    alone. Each folder is looked at once per process."""
+    folder = Path(folder).absolute()
+    if (os.getpid(), folder) in _cleaned or not folder.is_dir():
         return
-    for entry in path.parent.iterdir():
-        pid = entry.name[len(prefix):].split("-", 1)[0] if entry.name.startswith(prefix) else ""
-        if pid.isdigit() and not entry.is_symlink() and not _alive(int(pid)):
+    _cleaned.add((os.getpid(), folder))
+    scratch = re.compile(rf"^\..+\.(?:tmp|part)-{re.escape(socket.gethostname())}-(\d+)-")
+    for entry in folder.iterdir():
+        found = scratch.match(entry.name)
+        if found and not entry.is_symlink() and not _alive(int(found.group(1))):
             if entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
@@ -159,7 +166,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     OSError while writing (disk full, say) names ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_scratch(path, "part")
+    remove_stale_scratch(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_scratch_prefix(path, "part"))
     try:
         # mkstemp makes the file owner-only (0600); give it the mode an ordinary open() would.
@@ -195,7 +202,7 @@ def publish_folder(path: str | os.PathLike, replace: bool = False) -> Iterator[P
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_scratch(path, "tmp")
+    remove_stale_scratch(path.parent)
     tmp = Path(tempfile.mkdtemp(prefix=_scratch_prefix(path, "tmp"), dir=path.parent))
     try:
         yield tmp
