@@ -49,6 +49,7 @@ def test_release_512_checkpoint_converts_at_64x64_latents(tmp_path, randomize, l
     assert not (tmp_path / "wrong").exists()
 
 
+@pytest.mark.slow
 def test_diffusers_512_pipeline_folder_converts(tmp_path, randomize):
     """A facebook/DiT-XL-2-512-style DiTPipeline folder (config sample_size 64)."""
     from moh_dit.hub.convert import convert_checkpoint
@@ -125,6 +126,7 @@ def _image_folder(root, size=512):
     return root
 
 
+@pytest.mark.slow
 def test_train_and_extract_latents_at_512_px(model_512, tmp_path, load_script):
     data = _image_folder(tmp_path / "images")
     common = ["--preset", "MoH-DiT-Tiny", "--max-steps", "1", "--global-batch-size", "2", "--num-workers", "0",

@@ -46,6 +46,7 @@ def shared_pipe(tiny_pipe):
     return _tiny(tiny_pipe)
 
 
+@pytest.mark.slow
 def test_a_request_shows_what_the_pipeline_makes(tiny_pipe, tmp_path):
     pipe = _tiny(tiny_pipe)
     app = MoHApp(pipe, AppLimits(max_images=8, max_steps=10), tmp_path)
@@ -145,6 +146,7 @@ def test_limits_follow_the_model_and_the_machine(tiny_pipe):
     assert isinstance(default_limits(pipe).max_images, int)  # measured on this machine
 
 
+@pytest.mark.slow
 def test_the_blocks_handler_shows_library_errors_and_keeps_serving(tiny_pipe, tmp_path):
     gr = pytest.importorskip("gradio")
     from moh_dit.app import build_app

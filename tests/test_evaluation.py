@@ -285,6 +285,7 @@ def test_precision_recall_matches_brute_force():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sfid_features_are_mixed_6d_branch1x1_first_7_channels_hwc(random_inception):
     from torch_fidelity.interpolate_compat_tensorflow import interpolate_bilinear_2d_like_tensorflow1x
 
@@ -310,6 +311,7 @@ def test_sfid_features_are_mixed_6d_branch1x1_first_7_channels_hwc(random_incept
     assert features.pool.shape == (2, 2048) and features.logits.shape == (2, 1008)
 
 
+@pytest.mark.slow
 def test_random_inception_file_loads_through_the_standard_code_path(random_weights, random_inception):
     from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
@@ -827,6 +829,7 @@ def test_evaluate_checks_its_numeric_arguments_first(tmp_path):
     assert samples.batches_read == 0
 
 
+@pytest.mark.slow
 def test_evaluate_script_resolution_mismatch(tmp_path, random_weights, evaluate_script, refuses):
     _write_pngs(tmp_path / "ref", _smooth_images(4, 24))
     _write_pngs(tmp_path / "samples", _noise_images(4, 16))

@@ -86,6 +86,7 @@ HEAD_USAGE = HeadUsage(overall=[[1.0] * 4, [1.0, 1.0, 0.2, 0.8], [1.0, 0.5, 0.25
                        top_k=[0, 1, 1, 2, 1, 2])
 
 
+@pytest.mark.slow
 def test_a_sweeps_head_usage_goes_into_the_card_without_the_flag(source, results, exported, tmp_path):
     root, _ = source  # `exported` wrote the sweep folder
     write_head_usage(HEAD_USAGE, results / "sweep" / "head_usage", "head usage")
@@ -252,6 +253,7 @@ def test_model_card_shows_class_accuracy_when_measured():
     assert "class accuracy" in "\n".join(model_card._metrics_section(metrics))
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_only_an_export(exported, tmp_path):
     out = export_pipeline(exported, tmp_path / "again", variant="bf16", progress=False)
     assert (out / "vae" / "diffusion_pytorch_model.bf16.safetensors").is_file()

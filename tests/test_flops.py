@@ -63,6 +63,7 @@ def test_ideal_flop_ratio_keeps_its_numbers():
             assert ideal_flop_ratio(tokens, hidden, inner, ratio) == sparse / dense
 
 
+@pytest.mark.slow
 def test_sweep_columns_keep_their_numbers():
     """The sweep's per-layer integer count (before moh_dit.models.flops) at every preset's trained layout."""
     for name in PRESETS:

@@ -250,6 +250,7 @@ def model_folder(tmp_path_factory, one_thread, tiny_pipe):
     return folder
 
 
+@pytest.mark.slow
 def test_the_command_writes_the_figure_and_its_numbers(model_folder, tmp_path, load_script):
     from moh_dit.sampling.sample import load_pipeline
     from moh_dit.utils.output_folders import is_package_output

@@ -93,6 +93,7 @@ def _modes(root: Path) -> set[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("script", WRITERS)
+@pytest.mark.slow
 def test_outputs_are_marked_readable_by_others_and_replaced_only_with_overwrite(script, tmp_path, umask_022,
                                                                                 load_script, capsys):
     command, recipe = WRITERS[script]

@@ -430,6 +430,7 @@ def test_gradient_checkpointing_same_gradients(randomize):
 
 
 @pytest.mark.parametrize("train", [False, True])
+@pytest.mark.slow
 def test_compiles_without_graph_breaks(randomize, train):
     model = make("MoH-DiT-Tiny", randomize, sample_size=8).train(train)
     x, t, y = inputs(model)

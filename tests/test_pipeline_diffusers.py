@@ -194,6 +194,7 @@ def add_lora(pipe, seed=7):
     return pipe
 
 
+@pytest.mark.slow
 def test_lora_weights_load_into_the_pipeline_the_diffusers_way(tmp_path, tiny_pipe):
     """What the pipeline's ``save_lora_weights`` or the transformer's ``save_lora_adapter`` wrote,
     ``load_lora_weights`` puts into a fresh pipeline (its images equal the adapter-carrying

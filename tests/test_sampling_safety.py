@@ -220,6 +220,7 @@ def test_the_npz_writer_names_a_damaged_png(tmp_path):
         np.testing.assert_array_equal(data["arr_0"], images)
 
 
+@pytest.mark.slow
 def test_evaluate_names_a_damaged_sample_and_how_to_continue(model_dir, tmp_path, load_script, refuses):
     out = tmp_path / "out"
     assert _run(load_script, _argv(model_dir, out, "--no-npz")) == 0

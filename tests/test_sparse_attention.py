@@ -308,6 +308,7 @@ def test_sparse_gradients_equal_dense(randomize):
     assert dense["transformer_blocks.1.attn1.to_k.bias"].abs().max() < 1e-6
 
 
+@pytest.mark.slow
 def test_compiled_eval_without_grad_has_no_graph_breaks(randomize):
     """Auto mode keeps torch.compile on the dense-masked path (the sparse one has
     data-dependent shapes)."""

@@ -73,6 +73,7 @@ def test_no_import_cycle_in_the_package():
             visit(node, [node])
 
 
+@pytest.mark.slow
 def test_import_and_command_help_load_no_heavy_library():
     """`import moh_dit` and `moh-dit --help` import neither torch nor diffusers (the package's
     names are imported when first used), so the command's help answers at once; the names

@@ -355,6 +355,7 @@ def test_dense_model_single_point(dense_dir, reference_dir, tmp_path):
         assert plot.size == (900, 520)
 
 
+@pytest.mark.slow
 def test_script_with_random_inception(model_dir, dense_dir, reference_dir, tmp_path, capsys, load_script,
                                       monkeypatch):
     script = load_script("sweep_head_ratio")
@@ -690,6 +691,7 @@ def test_script_refuses_bad_flags(changes, match, model_dir, dense_dir, referenc
     refuses("sweep_head_ratio", argv, match)
 
 
+@pytest.mark.slow
 def test_a_second_sweep_into_the_same_folder_stops_at_once(model_dir, reference_dir, tmp_path, refuses, load_script):
     out = tmp_path / "out"
     argv = ["--model", model_dir, "--ref", reference_dir / "class_0", "--ratios", "1.0", "--num-samples", "4",

@@ -135,6 +135,7 @@ def test_cache_and_on_the_fly_give_the_same_loss(tmp_path, data, tiny_vae):
     assert torch.allclose(losses[0], losses[1], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_loss_decreases_on_a_fixed_batch():
     torch.manual_seed(0)
     model = MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8).train()
@@ -160,6 +161,7 @@ class _Crash(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_resume_is_exact_after_a_crash(tmp_path, data, monkeypatch):
     """6 steps in one run == 3 steps, a crash in step 5, then --resume latest to step 6; the
     log holds every step once (the crashed run had logged step 4 after its last checkpoint)."""
@@ -203,6 +205,7 @@ def test_resume_is_exact_after_a_crash(tmp_path, data, monkeypatch):
                 == (tmp_path / "two" / "checkpoints" / "step-0000006" / name).read_bytes()), name
 
 
+@pytest.mark.slow
 def test_interrupted_checkpoint_is_ignored(tmp_path, data, monkeypatch):
     cfg = config(tmp_path, data, max_steps=2, checkpoint_every=2)
     train(cfg)
@@ -229,6 +232,7 @@ def test_interrupted_checkpoint_is_ignored(tmp_path, data, monkeypatch):
     assert (ckpts / "step-0000012" / "model.safetensors").read_bytes() == b"partial"  # not ours to delete
 
 
+@pytest.mark.slow
 def test_corrupt_images_fail_or_are_skipped(tmp_path):
     data = make_image_folder(tmp_path / "data", per_class=4)
     (data / "red" / "broken.png").write_bytes(b"not a png at all")
@@ -395,6 +399,7 @@ def test_second_run_into_a_busy_folder_is_refused(tmp_path, data, monkeypatch):
 
 
 @pytest.mark.parametrize("leftover", ["finished", "train_config", "final", "checkpoint"])
+@pytest.mark.slow
 def test_starting_over_an_existing_run_is_refused(tmp_path, data, leftover):
     """Without resume, a folder holding a run (or any part of one) is never reused."""
     run = tmp_path / "run"
@@ -445,6 +450,7 @@ def _plant(folder: Path, name: str, marker: Path) -> None:
     torch.save({"state": _Planted(marker)}, folder / name)
 
 
+@pytest.mark.slow
 def test_resume_never_unpickles_planted_code(tmp_path, data, load_script):
     """A planted custom_checkpoint_*.pkl is never read; resume from latest and from the path."""
     run = tmp_path / "run"
@@ -486,6 +492,7 @@ def _weights_file(ckpt: Path) -> Path:
     return next(ckpt / n for n in ("model.safetensors", "pytorch_model.bin") if (ckpt / n).exists())
 
 
+@pytest.mark.slow
 def test_damaged_newest_checkpoint_falls_back_or_is_named(tmp_path, data, load_script, capsys):
     run = tmp_path / "run"
     assert run_cli_train(load_script, cli_args(run, data)) == 0
@@ -530,6 +537,7 @@ def test_every_damage_to_a_checkpoint_is_detected(tmp_path, data, load_script):
                 mentions=(ckpt / "checkpoint.json",))
 
 
+@pytest.mark.slow
 def test_no_file_of_a_checkpoint_is_unpickled_unsafely(tmp_path, data, load_script):
     """Planted pickles under every name the checkpoint holds, with the marker's hashes made
     to match: the resume fails naming the file (or ignores it) but never runs the code."""
@@ -672,6 +680,7 @@ def test_the_command_line_refuses_bad_flags_by_their_names(bad_inputs, data, ref
     assert not (tmp / "run").exists()
 
 
+@pytest.mark.slow
 def test_rotation_only_removes_this_runs_older_checkpoints(tmp_path, data, load_script, capsys):
     """Checkpoints of another run copied into the folder are skipped by --resume latest and
     never rotated away; this run keeps its newest --checkpoints-total-limit."""
@@ -690,6 +699,7 @@ def test_rotation_only_removes_this_runs_older_checkpoints(tmp_path, data, load_
     assert log_steps(run) == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 def test_resume_from_an_older_checkpoint_into_the_same_folder_is_refused(tmp_path, data, load_script):
     """It would leave the newer checkpoints of the first history for a later resume="latest"."""
     run = tmp_path / "run"
@@ -768,6 +778,7 @@ def test_init_from_with_router_warmup_trains_only_routers_then_all(tmp_path, dat
     assert record["init_from"] == str(upcycled) and record["router_warmup_steps"] == 2
 
 
+@pytest.mark.slow
 def test_router_warmup_survives_an_exact_resume(tmp_path, data, upcycled):
     """4 steps straight == 1 step (inside the warm-up), then --resume latest to 4 (across its end)."""
     kw = dict(preset="MoH-DiT-Tiny-up75", router_warmup_steps=2, learning_rate=1e-3, checkpoint_every=1)
@@ -1074,6 +1085,7 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+@pytest.mark.slow
 def test_mixed_precision_left_out_is_accelerates(tmp_path, data, load_script, monkeypatch, capsys,
                                                  fresh_accelerate_state):
     """Without --mixed-precision, accelerate launch's choice (ACCELERATE_MIXED_PRECISION) is used,
@@ -1312,6 +1324,7 @@ def latent_args(out, cache, *extra):
     return argv
 
 
+@pytest.mark.slow
 def test_a_latent_run_records_and_samples_with_the_caches_size_and_vae(tmp_path, small_cache, load_script):
     run = tmp_path / "run"
     vae = small_cache.parent / "vae"
@@ -1327,6 +1340,7 @@ def test_a_latent_run_records_and_samples_with_the_caches_size_and_vae(tmp_path,
                                                   "--vae", vae, "--dry-run")) == 0
 
 
+@pytest.mark.slow
 def test_final_is_a_pipeline_folder_with_the_runs_vae_and_a_run_folder_stands_for_it(tmp_path, small_cache,
                                                                                        load_script):
     """final/ is diffusers' pipeline layout: the EMA model as transformer/, the paper's DDPM, the
@@ -1386,6 +1400,7 @@ def test_an_older_cache_without_its_image_size_needs_the_option(tmp_path, small_
     assert run_cli_train(load_script, latent_args(tmp_path / "run", cache, "--image-size", 16, "--dry-run")) == 0
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_its_marker_is_named_as_damage(tmp_path, data, load_script, capsys):
     """A finished checkpoint is renamed into place only once its marker is written, so a
     step-N folder without checkpoint.json was damaged; a hidden .step-N.tmp is a save in progress."""

@@ -148,6 +148,7 @@ def custom(tmp_path_factory, randomize):
     return save_upcycled(moh, report, tmp_path_factory.mktemp("custom") / "model")
 
 
+@pytest.mark.slow
 def test_a_layout_of_its_own_trains_from_init_from_without_a_preset_and_resumes(tmp_path, data, custom, load_script):
     saved = json.loads((custom / "config.json").read_text())
     assert (saved["num_shared_heads"], saved["top_k"]) == (LAYOUT["num_shared_heads"], LAYOUT["top_k"])
@@ -188,6 +189,7 @@ def test_a_layout_of_its_own_trains_from_init_from_without_a_preset_and_resumes(
     assert record["preset"] is None and record["model_config"]["top_k"] == LAYOUT["top_k"]
 
 
+@pytest.mark.slow
 def test_the_resume_without_a_preset_is_exact_and_a_dense_layout_refuses_router_warmup(tmp_path, data, custom):
     """4 steps straight == 2 steps from --init-from, then --resume latest (no preset) to 4; and
     router warm-up of a folder holding a dense DiT is refused before anything is written."""
@@ -252,6 +254,7 @@ def _recording(monkeypatch):
     return recording, plotted
 
 
+@pytest.mark.slow
 def test_sample_steps_log_the_head_usage_figure_beside_the_grid(tmp_path, data, monkeypatch):
     """At each sample step of a MoH run: samples/head_usage_step-N.png and the same image in the
     trackers (``head_usage``), drawn from the usage logged last (here at that step, every 2 steps
@@ -283,6 +286,7 @@ def test_sample_steps_log_the_head_usage_figure_beside_the_grid(tmp_path, data, 
     assert [p.name for p in (tmp_path / "dense" / "samples").iterdir()] == ["step-0000002.png"]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_draws_the_usage_it_logged_last_until_it_logs_again(tmp_path, data, monkeypatch):
     """A resume whose first sample step comes before its first log step draws the last line of
     head_usage.jsonl (the checkpoint's step), not nothing."""

@@ -126,6 +126,7 @@ def test_xl_layouts_fit_dense_xl_weights():
         assert all(".router_" in key for key in set(dst) - set(src))
 
 
+@pytest.mark.slow
 def test_xl_width_first_forward(randomize):
     """DiT-XL/2's width (16 heads of 72, hidden 1152), two layers, measured importance: the
     first forward is still the dense model with the unselected heads removed."""

@@ -158,6 +158,7 @@ def dit_s2(tmp_path_factory, randomize):
     return root
 
 
+@pytest.mark.slow
 def test_command_upcycles_dit_s2_at_075_and_the_knob_changes_samples(dit_s2, tmp_path, load_script, capsys,
                                                                         tiny_vae):
     from moh_dit import MoHDiTPipeline
