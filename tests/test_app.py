@@ -380,10 +380,24 @@ class Page:
         return [t.text for t in self.css("#classes .token")]
 
     def type_into(self, selector, value):
+        """Type ``value`` into a box, leave it, and wait until the page's state holds it: a slider's
+        number box passes its value to the slider (and to the next request) a moment after it is
+        left, and a click on Generate in between sent the old value."""
         box = self.css(selector)[0]
         box.click()
         box.send_keys(self.Keys.CONTROL, "a")
         box.send_keys(self.Keys.DELETE, str(value), self.Keys.TAB)
+        slider = self.css(selector.replace("input[type=number]", "input[type=range]")) if "number" in selector else []
+
+        def taken():
+            shown = [box.get_attribute("value")] + [r.get_attribute("value") for r in slider]
+            try:
+                return all(float(v) == float(value) for v in shown) if str(value) else shown[0] == ""
+            except (TypeError, ValueError):
+                return shown[0] == str(value)
+
+        self.wait(taken, 10, f"{selector} did not take {value!r}")
+        time.sleep(0.5)  # the change event's round trip to the server
 
     def generate(self):
         self.css("#generate")[0].click()
