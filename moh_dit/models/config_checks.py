@@ -102,11 +102,9 @@ def training_step_bytes(config: Mapping[str, Any], batch: int) -> int:
     data: the activations kept for the backward pass (:data:`ACTIVATION_VALUES` per image,
     token, layer and hidden unit) and five copies of the weights (the model, its gradients,
     AdamW's two moments and the EMA)."""
-    def get(name: str) -> Any:
-        return config.get(name, _DEFAULTS.get(name))
-
-    tokens = (get("sample_size") // get("patch_size")) ** 2
-    activations = 4 * ACTIVATION_VALUES * batch * tokens * get("num_layers") * get("hidden_size")
+    full = {**_DEFAULTS, **config}
+    tokens = (full["sample_size"] // full["patch_size"]) ** 2
+    activations = 4 * ACTIVATION_VALUES * batch * tokens * full["num_layers"] * full["hidden_size"]
     return activations + 5 * transformer_bytes(config)
 
 
