@@ -1,9 +1,3 @@
-"""`moh-dit export` from a clone: ``python scripts/export_pipeline.py --help`` (the command lives in
-``moh_dit/commands/export_pipeline.py``)."""
-
 import sys
-
-from moh_dit.commands.export_pipeline import cli, main, parse_args  # noqa: F401
-
-if __name__ == "__main__":
-    sys.exit(cli())
+from moh_dit.commands import main
+sys.exit(main(["export", *sys.argv[1:]]))
