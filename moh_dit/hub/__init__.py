@@ -1,2 +1,2 @@
-"""Models in and out: release and diffusers checkpoint conversion, upcycling a dense DiT,
-self-contained pipeline exports (with their bundled code and model card)."""
+"""Models in and out: checkpoint conversion (convert), upcycling a dense DiT (upcycle), pipeline folders
+that carry their own code (export)."""

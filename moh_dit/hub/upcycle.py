@@ -13,6 +13,7 @@ the first forward is the dense model with each token's unselected routed heads r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -327,15 +328,14 @@ def upcycle(source: Any, activation: float | None = None, *, shared_heads=None, 
     ``device``; without it heads 0..hs-1 are shared. With ``output_dir`` the model and
     ``upcycle_report.json`` are written there as :func:`save_upcycled` does, checked before any work.
     """
-    if output_dir is None:
-        return _upcycle(source, activation, shared_heads, top_k, calibration, calibration_batches_count, batch_size,
-                        preset, weights, sample_size, num_classes, vae, seed, device, progress)
     inputs = {name: p for name, p in (("checkpoint", source), ("calibration", calibration), ("vae", vae))
               if isinstance(p, (str, os.PathLike)) and Path(p).expanduser().exists()}
-    with output_folder(output_dir, "upcycle", overwrite=overwrite, inputs=inputs, publish=True) as tmp:
+    with contextlib.nullcontext() if output_dir is None else output_folder(
+            output_dir, "upcycle", overwrite=overwrite, inputs=inputs, publish=True) as folder:
         moh, report = _upcycle(source, activation, shared_heads, top_k, calibration, calibration_batches_count,
                                batch_size, preset, weights, sample_size, num_classes, vae, seed, device, progress)
-        _save(moh, report, tmp)
+        if folder is not None:
+            _save(moh, report, folder)
     return moh, report
 
 
