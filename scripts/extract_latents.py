@@ -1,9 +1,7 @@
-"""`moh-dit extract-latents` from a clone: ``python scripts/extract_latents.py --help`` (the command lives in
-``moh_dit/commands/extract_latents.py``)."""
-
+"""`moh-dit extract-latents` from a clone: ``python scripts/extract_latents.py --help``."""
 import sys
 
-from moh_dit.commands.extract_latents import cli, main, parse_args  # noqa: F401
+from moh_dit.commands import main
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(main(["extract-latents", *sys.argv[1:]]))

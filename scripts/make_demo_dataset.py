@@ -1,9 +1,7 @@
-"""`moh-dit make-demo-dataset` from a clone: ``python scripts/make_demo_dataset.py --help`` (the command lives in
-``moh_dit/commands/make_demo_dataset.py``)."""
-
+"""`moh-dit make-demo-dataset` from a clone: ``python scripts/make_demo_dataset.py --help``."""
 import sys
 
-from moh_dit.commands.make_demo_dataset import cli, main, parse_args  # noqa: F401
+from moh_dit.commands import main
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(main(["make-demo-dataset", *sys.argv[1:]]))

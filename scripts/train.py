@@ -1,9 +1,7 @@
-"""`moh-dit train` from a clone: ``python scripts/train.py --help`` (the command lives in
-``moh_dit/commands/train.py``)."""
-
+"""`moh-dit train` from a clone: ``python scripts/train.py --help``."""
 import sys
 
-from moh_dit.commands.train import cli, main, parse_args  # noqa: F401
+from moh_dit.commands import main
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(main(["train", *sys.argv[1:]]))
