@@ -1,9 +1,7 @@
-"""`moh-dit sample` from a clone: ``python scripts/sample.py --help`` (the command lives in
-``moh_dit/commands/sample.py``)."""
-
+"""`moh-dit sample` from a clone: ``python scripts/sample.py --help``."""
 import sys
 
-from moh_dit.commands.sample import cli, main, parse_args  # noqa: F401
+from moh_dit.commands import main
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(main(["sample", *sys.argv[1:]]))
