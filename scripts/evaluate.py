@@ -1,9 +1,7 @@
-"""`moh-dit evaluate` from a clone: ``python scripts/evaluate.py --help`` (the command lives in
-``moh_dit/commands/evaluate.py``)."""
-
+"""`moh-dit evaluate` from a clone: ``python scripts/evaluate.py --help``."""
 import sys
 
-from moh_dit.commands.evaluate import cli, main, parse_args  # noqa: F401
+from moh_dit.commands import main
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(main(["evaluate", *sys.argv[1:]]))

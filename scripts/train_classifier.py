@@ -1,9 +1,7 @@
-"""`moh-dit train-classifier` from a clone: ``python scripts/train_classifier.py --help`` (the command lives in
-``moh_dit/commands/train_classifier.py``)."""
-
+"""`moh-dit train-classifier` from a clone: ``python scripts/train_classifier.py --help``."""
 import sys
 
-from moh_dit.commands.train_classifier import cli, main, parse_args  # noqa: F401
+from moh_dit.commands import main
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(main(["train-classifier", *sys.argv[1:]]))

@@ -1,66 +1,74 @@
-"""Train a small CNN on your real images, to measure the class accuracy of generated samples.
+"""``moh-dit train-classifier``: a small CNN on your real images, to measure the class accuracy of samples.
 
     moh-dit train-classifier --data-dir DIR --output-dir CLF_DIR
-    moh-dit evaluate --samples samples.npz --ref REF --classifier CLF_DIR --output m.json
+    moh-dit evaluate --samples samples.npz --ref REF --classifier CLF_DIR --output metrics.json
 
-``--data-dir`` is an ImageFolder (one folder per class); class indices follow the sorted folder
-names, as training does, so label ``i`` of a model trained on the same folder is the
-classifier's class ``i``. A seeded fraction of every class is held out; the accuracy on those
-real images is printed and written to ``CLF_DIR/classifier.json`` -- it bounds what the
-class-accuracy metric can show. ``CLF_DIR`` holds ``model.safetensors``, ``classifier.json``
-and ``class_index.json`` (the class map), written atomically.
+``--data-dir`` holds one folder per class; class indices follow the sorted folder names, as
+training does. The accuracy on a seeded held-out fraction of each class bounds what the
+metric can show; it is printed and written to ``CLF_DIR/classifier.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import math
 
-import torch
+from moh_dit.commands.evaluate import int_range
 
-from moh_dit.evaluation.classifier import train_classifier
-from moh_dit.commands import command_prog
-from moh_dit.utils.cli import ArgumentParser, command, run_cli
-from moh_dit.utils.logging import get_logger
-
-logger = get_logger(__name__)
+DESCRIPTION = "train the small classifier behind class accuracy"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(prog=command_prog(__spec__.name), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", required=True, help="ImageFolder of real images (root/<class>/<image>)")
-    p.add_argument("--output-dir", required=True, help="folder to write the classifier to")
-    p.add_alias("--output", "--output-dir")
-    p.add_argument("--image-size", type=int, default=32,
-                   help="images are centre-cropped and resized to this (the samples are resized the same way)")
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--learning-rate", type=float, default=3e-3)
-    p.add_argument("--width", type=int, default=16, help="channels of the first stage (then 2x, 4x)")
-    p.add_argument("--held-out-fraction", type=float, default=0.1, help="fraction of each class kept for the accuracy")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true", help="replace an existing classifier folder")
-    return p.parse_args(argv)
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
+    return value
 
 
-@command
-def main(args: argparse.Namespace) -> int:
-    result = train_classifier(
-        args.data_dir, args.output_dir, image_size=args.image_size, epochs=args.epochs, batch_size=args.batch_size,
-        learning_rate=args.learning_rate, held_out_fraction=args.held_out_fraction, width=args.width,
-        seed=args.seed, overwrite=args.overwrite, log=logger.info,
-    )
-    worst = min(result.held_out_per_class.items(), key=lambda kv: kv[1], default=None)
-    if worst is not None:
-        logger.info(f"lowest held-out class accuracy: {worst[0]} {100 * worst[1]:.1f}%")
+def learning_rate(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", "--data_dir", required=True, help="real images, one folder per class")
+    parser.add_argument("--output-dir", "--output_dir", "--output", dest="output_dir", required=True,
+                        help="the classifier folder to write (built aside and renamed into place)")
+    parser.add_argument("--image-size", type=int_range(8, 1024), default=32,
+                        help="images are centre-cropped and resized to this (samples too)")
+    parser.add_argument("--epochs", type=int_range(1), default=4)
+    parser.add_argument("--batch-size", type=int_range(1, 65536), default=64)
+    parser.add_argument("--learning-rate", type=learning_rate, default=3e-3)
+    parser.add_argument("--width", type=int_range(1, 1024), default=16, help="first stage's channels (then 2x, 4x)")
+    parser.add_argument("--held-out-fraction", type=fraction, default=0.1, help="of each class, kept out of training")
+    parser.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0)
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier classifier at --output-dir")
+
+
+def main(args: argparse.Namespace) -> None:
+    from moh_dit.evaluation import train_classifier
+
+    record = train_classifier(args.data_dir, args.output_dir, image_size=args.image_size, epochs=args.epochs,
+                              batch_size=args.batch_size, learning_rate=args.learning_rate,
+                              held_out_fraction=args.held_out_fraction, width=args.width, seed=args.seed,
+                              overwrite=args.overwrite)
+    held = record["held_out"]
+    accuracy = "not measured" if held["accuracy"] is None else f"{100 * held['accuracy']:.1f}%"
+    print(f"classifier: {accuracy} on {held['count']} held-out real images ({len(record['classes'])} classes) "
+          f"-> {args.output_dir}")
+
+
+def cli(argv=None) -> int:  # TEMPORARY: until the dispatcher builds the parser itself
+    import sys
+
+    parser = argparse.ArgumentParser(prog="moh-dit train-classifier", description=DESCRIPTION)
+    build_parser(parser)
+    args = parser.parse_args(argv)
+    try:
+        main(args)
+    except Exception as error:  # noqa: BLE001
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     return 0
-
-
-def cli(argv: list[str] | None = None) -> int:
-    """Command-line entry: clear one-line errors on stderr and a non-zero exit status."""
-    return run_cli(main, parse_args, argv)
-
-
-if __name__ == "__main__":
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    sys.exit(cli())
