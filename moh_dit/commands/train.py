@@ -13,6 +13,7 @@ run's (train_config.json). diffusers' example-script spellings work too (--train
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 
@@ -138,4 +139,4 @@ def main(args: argparse.Namespace) -> None:
         return
     final = train(cfg)
     if os.environ.get("RANK", "0") == "0":
-        print(f"EMA model: {final}")
+        logging.getLogger(__name__).info(f"EMA model: {final}")

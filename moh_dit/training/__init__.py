@@ -1,10 +1,10 @@
-"""Training: :class:`TrainConfig` and :func:`train` (``train.py``), the checkpoint folders
+"""Training: :class:`TrainConfig` and :func:`train` (``trainer.py``), the checkpoint folders
 (``checkpoint.py``)."""
 
 from pathlib import Path
 
 from .checkpoint import Checkpoint
-from .train import RUN_RECORD, TrainConfig, compile_model, train, update_ema
+from .trainer import RUN_RECORD, TrainConfig, compile_model, train, update_ema
 
 __all__ = ["TrainConfig", "train", "Checkpoint", "RUN_RECORD", "compile_model", "update_ema", "find_latest_checkpoint"]
 
