@@ -11,6 +11,7 @@ import torch
 
 from moh_dit import evaluation as ev
 from moh_dit.evaluation import classes as clf
+from moh_dit.data import find_image_folder
 from moh_dit.evaluation import inception
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,7 +27,7 @@ def shapes(tmp_path_factory):
     root = tmp_path_factory.mktemp("shapes")
     data = make_demo_dataset(root / "data", images_per_class=10, image_size=16, seed=0)
     record = ev.train_classifier(data, root / "clf", image_size=16, epochs=2, width=4, seed=0)
-    classes, samples = clf.class_folders(data)
+    classes, _, samples = find_image_folder(data)
     _, held = clf._split(samples, len(classes), 0.1, 0)
     images = np.stack([np.asarray(load_image(path)) for path, _ in held])
     return dict(data=data, path=root / "clf", record=record, classes=classes, images=images,
@@ -59,7 +60,7 @@ def test_a_trained_classifier_is_far_above_chance_and_shuffled_labels_score_abou
     data = make_demo_dataset(tmp_path / "data", images_per_class=40, seed=0)
     record = ev.train_classifier(data, tmp_path / "clf", epochs=8, batch_size=32, seed=0)
     assert record["held_out"]["accuracy"] > 0.5  # the shapes are easy: chance is 1/12
-    classes, samples = clf.class_folders(data)
+    classes, _, samples = find_image_folder(data)
     _, held = clf._split(samples, len(classes), 0.1, 0)
     loaded = ev.load_classifier(tmp_path / "clf")
     images = np.concatenate([np.stack([np.asarray(load_image(path)) for path, _ in held])] * 5)

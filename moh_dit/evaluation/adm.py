@@ -1,13 +1,8 @@
-"""ADM's evaluator (guided-diffusion ``evaluations/evaluator.py``) in PyTorch.
-
-Images stream in batches through a feature network (:mod:`.inception`); the features give
-FID (Heusel et al. 2017, on pool_3), sFID (Nash et al. 2021, on the spatial layer), the
-Inception Score (Salimans et al. 2016, splits of 5000 in order) and improved precision and
-recall (Kynkaanniemi et al. 2019, k = 3, against the reference batch's own images). Statistics
-are ADM's: float64 ``np.mean`` and ``np.cov`` (dividing by N - 1). An ADM reference batch's
-FID/sFID statistics are its stored ``mu``/``sigma``/``mu_s``/``sigma_s`` (the whole training
-set), not those of its ``arr_0``.
-"""
+"""ADM's evaluator (guided-diffusion ``evaluations/evaluator.py``) in PyTorch: images stream through a
+feature network (:mod:`.inception`) into FID (Heusel et al. 2017), sFID (Nash et al. 2021), the
+Inception Score (Salimans et al. 2016) and improved precision/recall (Kynkaanniemi et al. 2019, k = 3).
+Statistics are ADM's (float64 ``np.mean``, ``np.cov``); an ADM reference batch's FID/sFID use its
+stored statistics of the whole training set, not those of its ``arr_0``."""
 
 from __future__ import annotations
 
@@ -32,7 +27,6 @@ from torch import nn
 ADM_SPLIT_SIZE = 5000  # Inception Score split size of ADM's evaluator
 ADM_K = 3  # neighbourhood size of ADM's precision/recall
 CACHE_ENV = "MOH_DIT_CACHE"
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 logger = logging.getLogger(__name__)
 
@@ -50,63 +44,37 @@ class Images:
     fingerprint: str | None = None  # changes when the images change: what the cache is keyed on
 
 
-def _check_shape(shape: tuple, where: str) -> None:
-    if len(shape) != 4 or shape[-1] != 3 or shape[1] != shape[2]:
-        raise ValueError(f"{where}: images must be square RGB uint8 (N, H, W, 3), got shape {tuple(shape)}")
+def _check(shape: tuple, dtype: Any, where: str) -> None:
+    if dtype not in (np.uint8, torch.uint8) or len(shape) != 4 or shape[-1] != 3 or shape[1] != shape[2]:
+        raise ValueError(f"{where}: images must be square RGB uint8 (N, H, W, 3), got {dtype} {tuple(shape)}")
 
 
-def _as_uint8_nhwc(batch: Any, where: str) -> torch.Tensor:
-    batch = torch.as_tensor(batch)
-    if batch.dtype != torch.uint8:
-        raise ValueError(f"{where}: images must be uint8 in [0, 255], got {batch.dtype}")
-    _check_shape(tuple(batch.shape), where)
-    return batch
-
-
-def _npz_array(path: Path, key: str) -> tuple[tuple, np.dtype, int]:
-    """Shape, dtype and data offset of ``key`` in an .npz, from its header (nothing loaded)."""
-    with zipfile.ZipFile(path) as archive, archive.open(f"{key}.npy") as f:
-        version = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran_order, dtype = read_header(f)
-        if fortran_order:
-            raise ValueError(f"{path}: {key} is stored in Fortran order; save it with np.savez(path, arr_0=x)")
-        return shape, dtype, f.tell()
-
-
-def _npz_batches(path: Path, shape: tuple, offset: int, batch_size: int) -> Iterator[torch.Tensor]:
-    """arr_0 of an .npz a batch at a time: a zip member cannot be memory-mapped, and DiT's
+def _npz_images(path: Path, name: str) -> Images:
+    """``arr_0`` of an .npz read a batch at a time: a zip member cannot be memory-mapped, and DiT's
     50,000 samples at 256 px are about 10 GB."""
     with zipfile.ZipFile(path) as archive, archive.open("arr_0.npy") as f:
-        f.read(offset)
-        for start in range(0, shape[0], batch_size):
-            batch = np.empty((min(batch_size, shape[0] - start), *shape[1:]), np.uint8)
-            view = memoryview(batch.reshape(-1))
-            filled = 0
-            while filled < len(view):
-                n = f.readinto(view[filled:])
-                if not n:
+        version = np.lib.format.read_magic(f)
+        shape, fortran, dtype = getattr(np.lib.format, f"read_array_header_{version[0]}_0")(f)
+        offset = f.tell()
+    _check(shape, None if fortran else dtype, f"{name} {path}")
+
+    def batches(batch_size: int, num_workers: int) -> Iterator[torch.Tensor]:
+        with zipfile.ZipFile(path) as archive, archive.open("arr_0.npy") as f:
+            f.read(offset)
+            for start in range(0, shape[0], batch_size):
+                n = min(batch_size, shape[0] - start)
+                data = bytearray(f.read(n * math.prod(shape[1:])))
+                if len(data) < n * math.prod(shape[1:]):
                     raise ValueError(f"{path}: arr_0 ends early; the file is truncated")
-                filled += n
-            yield torch.from_numpy(batch)
+                yield torch.frombuffer(data, dtype=torch.uint8).view(n, *shape[1:])
 
-
-def _image_files(folder: Path) -> list[Path]:
-    """Images below ``folder`` sorted by relative path; links to folders are followed, each folder once."""
-    seen, files = set(), []
-    for parent, dirs, names in os.walk(folder, followlinks=True):
-        if os.path.realpath(parent) in seen:  # a link loop, or a second way to one folder
-            dirs[:] = []
-            continue
-        seen.add(os.path.realpath(parent))
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        files += [Path(parent, n) for n in names if n.lower().endswith(IMAGE_EXTENSIONS) and not n.startswith(".")]
-    return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
+    stat = path.stat()
+    return Images(str(path), shape[0], shape[1], batches, f"npz:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}")
 
 
 class _Decode(torch.utils.data.Dataset):
-    def __init__(self, files: list[Path], resolution: int) -> None:
-        self.files, self.resolution = files, resolution
+    def __init__(self, files: list[Path], size: int) -> None:
+        self.files, self.size = files, size
 
     def __len__(self) -> int:
         return len(self.files)
@@ -117,10 +85,8 @@ class _Decode(torch.utils.data.Dataset):
         try:  # a worker's exception reaches the user inside its traceback: hand back one line instead
             image = np.asarray(load_image(self.files[i]))
         except Exception as error:  # noqa: BLE001
-            return f"{self.files[i]}: {error}"
-        if image.shape != (self.resolution, self.resolution, 3):
-            return f"{self.files[i]}: {image.shape[1]}x{image.shape[0]}, not {self.resolution}x{self.resolution} px"
-        return image
+            return str(error)
+        return image if image.shape == (self.size, self.size, 3) else f"{self.files[i]}: not {self.size} px square"
 
 
 def _stack(items: list) -> torch.Tensor:
@@ -138,11 +104,13 @@ def open_images(images: Any, name: str = "images") -> Images:
     if isinstance(images, (str, os.PathLike)):
         path = Path(images)
         if path.is_dir():
-            files = _image_files(path)
-            if not files:
-                raise FileNotFoundError(errno.ENOENT, f"{name}: no {'/'.join(IMAGE_EXTENSIONS)} images in", str(path))
             from PIL import Image
 
+            from moh_dit.data import scan_image_files  # the package's one folder scan
+
+            files = [Path(f) for f in scan_image_files(path)]
+            if not files:
+                raise FileNotFoundError(errno.ENOENT, f"{name}: no images in the folder", str(path))
             with Image.open(files[0]) as first:
                 size = first.size[0]
             listing = [(f.relative_to(path).as_posix(), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
@@ -154,22 +122,19 @@ def open_images(images: Any, name: str = "images") -> Images:
             raise FileNotFoundError(errno.ENOENT, f"{name}: no such file or folder", str(path))
         if not zipfile.is_zipfile(path) or "arr_0.npy" not in zipfile.ZipFile(path).namelist():
             raise ValueError(f"{name} {path}: neither an image folder nor an .npz with arr_0")
-        shape, dtype, offset = _npz_array(path, "arr_0")
-        if dtype != np.uint8:
-            raise ValueError(f"{name} {path}: arr_0 must be uint8 images, got {dtype}")
-        _check_shape(shape, f"{name} {path}")
-        stat = path.stat()
-        return Images(str(path), shape[0], shape[1], lambda b, w: _npz_batches(path, shape, offset, b),
-                      f"npz:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}")
+        return _npz_images(path, name)
     if isinstance(images, (np.ndarray, torch.Tensor)):
-        array = _as_uint8_nhwc(images, name)
+        array = torch.as_tensor(images)
+        _check(array.shape, array.dtype, name)
         return Images(f"<{len(array)} images>", len(array), array.shape[1], lambda b, w: iter(array.split(b)))
     iterator = iter(images)  # batches from a pipeline: the first one tells the resolution
-    first = _as_uint8_nhwc(next(iterator), f"{name} batch 0")
+    first = torch.as_tensor(next(iterator))
+    _check(first.shape, first.dtype, f"{name} batch 0")
 
     def batches(b: int, w: int) -> Iterator[torch.Tensor]:
         for i, batch in enumerate(itertools.chain([first], iterator)):
-            batch = _as_uint8_nhwc(batch, f"{name} batch {i}")
+            batch = torch.as_tensor(batch)
+            _check(batch.shape, batch.dtype, f"{name} batch {i}")
             if batch.shape[1] != first.shape[1]:
                 raise ValueError(f"{name} batch {i} is {batch.shape[1]} px, batch 0 {first.shape[1]} px")
             yield from batch.split(b)
@@ -430,11 +395,9 @@ def _reference(opened: tuple[str, Images | None, dict], extractor: nn.Module, de
     if images is not None and use_cache:
         name = f"{Path(source).name}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.npz"
         cache_file = Path(cache_dir or reference_cache_dir()).expanduser() / name
-        with contextlib.suppress(OSError, ValueError, KeyError):  # unreadable: recomputed
-            with np.load(cache_file, allow_pickle=False) as archive:
-                if str(archive["key"]) == key:
-                    arrays = {name: archive[name] for name in archive.files if name != "key"}
-                    logger.info("reference statistics of %s read from the cache %s", source, cache_file)
+        with contextlib.suppress(OSError, ValueError, KeyError), np.load(cache_file, allow_pickle=False) as archive:
+            if str(archive["key"]) == key:  # else another input under the same name: recomputed
+                arrays = {name: archive[name] for name in archive.files if name != "key"}
     from_cache = bool(arrays)
     if images is not None and not arrays:
         features = extract_features(images, extractor, device=device, batch_size=batch_size, num_workers=num_workers)
@@ -452,8 +415,7 @@ def _reference(opened: tuple[str, Images | None, dict], extractor: nn.Module, de
 
             with atomic_write(cache_file) as f:
                 np.savez(f, **arrays, key=np.array(key))
-            size = os.path.getsize(cache_file) // 1000
-            logger.info("wrote the reference statistics cache %s (%d kB)", cache_file, size)
+            logger.info("wrote the reference statistics cache %s", cache_file)
     arrays.update(stored)
     return Reference(
         source=source, pool=FeatureStatistics(arrays["mu"], arrays["sigma"]),
@@ -550,7 +512,7 @@ def evaluate(samples: Any, reference: str | os.PathLike | Reference, *, extracto
         sample_resolution=images.resolution, reference_resolution=reference.resolution,
         allow_resolution_mismatch=allow_resolution_mismatch, extractor=extractor_identity(extractor),
         comparable_to_published=bool(getattr(extractor, "comparable_to_published", False)),
-        inception_weights=getattr(extractor, "weights_info", None), reference_from_cache=reference.from_cache)
+        reference_from_cache=reference.from_cache)
     if meter is not None:
         result.update(meter.result())
     return result

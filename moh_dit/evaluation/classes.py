@@ -1,12 +1,6 @@
-"""Class accuracy of generated samples: how often a classifier sees the class a sample was made for.
-
-FID cannot tell whether a model follows its labels; this can. The classifier is a small CNN
-trained on the user's real images (:func:`train_classifier`; its held-out accuracy bounds what
-the metric can show) or a torchvision ImageNet model (``"torchvision:resnet50"``). Sample
-labels are ``arr_1`` of the samples ``.npz`` (ADM's convention, what ``moh-dit sample``
-writes) or a ``.npy``; label ``i`` is the classifier's class ``i`` unless a class map says
-otherwise. Classes follow the sorted class-folder names, as training does.
-"""
+"""Class accuracy of samples: how often a classifier sees the class a sample was made for (FID cannot
+tell whether a model follows its labels). The classifier is a small CNN trained on real images, whose
+held-out accuracy bounds the metric, or a torchvision ImageNet model (``"torchvision:resnet50"``)."""
 
 from __future__ import annotations
 
@@ -73,15 +67,7 @@ class SampleClassifier:
 
 # ----- training -------------------------------------------------------------------------------
 
-def class_folders(data_dir: str | os.PathLike) -> tuple[list[str], list[tuple[Path, int]]]:
-    """The class names (sorted sub-folder names, as training takes them) and every (image, class index)."""
-    from .adm import _image_files
-
-    classes = sorted(d.name for d in Path(data_dir).iterdir() if d.is_dir() and not d.name.startswith("."))
-    return classes, [(path, label) for label, name in enumerate(classes) for path in _image_files(Path(data_dir, name))]
-
-
-def _split(samples: list[tuple[Path, int]], num_classes: int, fraction: float, seed: int) -> tuple[list, list]:
+def _split(samples: list[tuple[str, int]], num_classes: int, fraction: float, seed: int) -> tuple[list, list]:
     """Per class, a seeded ``fraction`` held out (at least one image of a class that has two)."""
     rng = np.random.default_rng(seed)
     train, held = [], []
@@ -94,7 +80,7 @@ def _split(samples: list[tuple[Path, int]], num_classes: int, fraction: float, s
     return train, held
 
 
-def _load(items: list[tuple[Path, int]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _load(items: list[tuple[str, int]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
     from moh_dit.data import load_image
 
     images = [resize_square(torch.from_numpy(np.array(load_image(path))).permute(2, 0, 1)[None].float() / 255.0, size)
@@ -142,7 +128,9 @@ def train_classifier(data_dir: str | os.PathLike, output_dir: str | os.PathLike,
     ``held_out_fraction`` of each class is kept out; the accuracy on it is recorded."""
     from safetensors.torch import save_file
 
-    classes, samples = class_folders(data_dir)
+    from moh_dit.data import find_image_folder
+
+    classes, _, samples = find_image_folder(data_dir)  # classes: the sorted folder names, as training takes them
     with output_folder(output_dir, "train-classifier", overwrite=overwrite, inputs={"data_dir": data_dir},
                        publish=True) as tmp:
         train_items, held_items = _split(samples, len(classes), held_out_fraction, seed)

@@ -1,12 +1,6 @@
-"""The feature network of ADM's evaluator: torch-fidelity's TF-compatible InceptionV3.
-
-torch-fidelity's ``"inception-v3-compat"`` reproduces the 2015-12-05 TF graph that ADM's
-evaluator runs, including its TF1 bilinear resize to 299 and ``(x - 128) / 128``; other ports
-(pytorch-fid, torchmetrics, clean-fid) resize differently and give numbers not comparable to
-ADM's. Three layers are read: ``pool`` (pool_3, 2048, for FID and precision/recall),
-``logits`` (pool_3 @ W without the bias, 1008, for the Inception Score) and ``spatial``
-(``mixed_6/conv`` = ``Mixed_6d.branch1x1``, first 7 channels, 17 x 17 x 7 = 2023, for sFID).
-"""
+"""The feature network of ADM's evaluator: torch-fidelity's ``"inception-v3-compat"``, a port of the
+2015-12-05 TF InceptionV3 graph with its TF1 bilinear resize to 299 and ``(x - 128) / 128`` (other
+ports resize differently, and their numbers are not comparable to ADM's)."""
 
 from __future__ import annotations
 
@@ -50,29 +44,29 @@ def tf32_disabled():
             setattr(owner, name, value)
 
 
-class TFInceptionV3Features(nn.Module):
-    """uint8 images (N, 3, H, W) -> ``{"pool": (N, 2048), "logits": (N, 1008), "spatial": (N, 2023)}``.
+def _torch_fidelity(cls: type, state_dict: dict[str, torch.Tensor], features: list[str]) -> nn.Module:
+    # torch-fidelity loads weights only from a file, with pickle: hand it tensors already read
+    # safely, through a buffer this process wrote itself.
+    buffer = io.BytesIO()
+    torch.save(dict(state_dict), buffer)
+    buffer.seek(0)
+    return cls("inception-v3-compat", features, feature_extractor_weights_path=buffer)
 
-    ``identity`` names the weights (reference statistics are cached under it);
-    ``comparable_to_published`` is true only for the published weights file.
-    """
+
+class TFInceptionV3Features(nn.Module):
+    """uint8 images (N, 3, H, W) -> ``pool`` (pool_3: FID, precision/recall), ``logits`` (pool_3 @ W
+    without the bias: Inception Score) and ``spatial`` (``mixed_6/conv`` = ``Mixed_6d.branch1x1``, first
+    7 channels: sFID). ``identity`` names the weights (cached statistics are keyed on it)."""
 
     pool_dim, spatial_dim = 2048, 17 * 17 * 7
 
-    def __init__(self, state_dict: dict[str, torch.Tensor], identity: str, comparable_to_published: bool = False,
-                 weights_info: dict | None = None) -> None:
+    def __init__(self, state_dict: dict[str, torch.Tensor], identity: str, comparable_to_published: bool = False
+                 ) -> None:
         super().__init__()
         from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
-        # torch-fidelity loads weights only from a file, with pickle: hand it tensors already
-        # read safely, through a buffer this process wrote itself.
-        buffer = io.BytesIO()
-        torch.save(dict(state_dict), buffer)
-        buffer.seek(0)
-        self.inception = FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
-                                                     feature_extractor_weights_path=buffer)
+        self.inception = _torch_fidelity(FeatureExtractorInceptionV3, state_dict, ["2048", "logits_unbiased"])
         self.identity, self.comparable_to_published = identity, comparable_to_published
-        self.weights_info = weights_info or {}
         self._spatial = None
         self.inception.Mixed_6d.branch1x1.register_forward_hook(self._keep_spatial)
 
@@ -94,9 +88,8 @@ class TFInceptionV3Features(nn.Module):
         path = Path(path)
         sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
         state_dict = torch.load(path, map_location="cpu", weights_only=True)
-        return cls(state_dict, f"tf-inception-v3-compat:sha256={sha256[:16]}",
-                   comparable_to_published=sha256.startswith(INCEPTION_WEIGHTS_SHA256_PREFIX),
-                   weights_info={"name": path.name, "sha256": sha256})
+        return cls(state_dict, f"tf-inception-v3-compat:{path.name}:sha256={sha256[:16]}",
+                   comparable_to_published=sha256.startswith(INCEPTION_WEIGHTS_SHA256_PREFIX))
 
 
 def resolve_inception_weights(inception_weights: str | os.PathLike | None = None, *, download: bool = True,
@@ -153,10 +146,7 @@ def random_inception_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
         def load_state_dict(self, state_dict, *args, **kwargs):  # the architecture only: weights drawn below
             pass
 
-    buffer = io.BytesIO()
-    torch.save({}, buffer)
-    buffer.seek(0)
-    model = Unloaded("inception-v3-compat", ["2048"], feature_extractor_weights_path=buffer)
+    model = _torch_fidelity(Unloaded, {}, ["2048"])
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
@@ -174,9 +164,8 @@ def random_inception_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
 def build_random_inception(seed: int = 0) -> TFInceptionV3Features:
     """The TF-compatible InceptionV3 with :func:`random_inception_state_dict` weights; its numbers are
     NOT comparable to published ones, and its identity says so."""
-    name = f"RANDOM-kaiming-seed={seed}"
-    return TFInceptionV3Features(random_inception_state_dict(seed), f"tf-inception-v3-compat:{name}",
-                                 weights_info={"name": name})
+    identity = f"tf-inception-v3-compat:RANDOM-kaiming-seed={seed}"
+    return TFInceptionV3Features(random_inception_state_dict(seed), identity)
 
 
 def save_random_inception_weights(path: str | os.PathLike, seed: int = 0) -> Path:
