@@ -1,9 +1,3 @@
-"""`moh-dit app` from a clone: ``python scripts/app.py --help`` (the command lives in
-``moh_dit/commands/app.py``)."""
-
 import sys
-
-from moh_dit.commands.app import cli, main, parse_args  # noqa: F401
-
-if __name__ == "__main__":
-    sys.exit(cli())
+from moh_dit.commands import main
+sys.exit(main(["app", *sys.argv[1:]]))

@@ -1,9 +1,3 @@
-"""`moh-dit upcycle-demo` from a clone: ``python scripts/upcycle_demo.py --help`` (the command lives in
-``moh_dit/commands/upcycle_demo.py``)."""
-
 import sys
-
-from moh_dit.commands.upcycle_demo import cli, main, parse_args  # noqa: F401
-
-if __name__ == "__main__":
-    sys.exit(cli())
+from moh_dit.commands import main
+sys.exit(main(["upcycle-demo", *sys.argv[1:]]))

@@ -1,66 +1,129 @@
-"""The ``moh-dit`` command: ``moh-dit <command> [flags]``, one subcommand per task.
+"""The ``moh-dit`` command line: ``moh-dit COMMAND [flags]``, one module here per command.
 
-Each subcommand is a module here with ``parse_args(argv)``, ``main(args)`` and ``cli(argv)``;
-``python -m moh_dit.commands <command>`` and, from a clone, ``python scripts/<module>.py`` run
-the same code. This module imports no command: ``moh-dit --help`` stays instant.
+A command module defines ``DESCRIPTION`` (one line), ``build_parser(parser)`` (its arguments,
+named after the library's keywords) and ``main(args)`` (the job; torch and friends are imported
+inside it, so ``--help`` stays fast). This module adds the common flags and runs ``main`` under
+the one error handler: an error is one line ``error: <message>`` on stderr and exit status 1
+(``--debug`` shows the traceback instead); argparse's own errors exit with 2, Ctrl-C with 130.
+``moh-dit``, ``python -m moh_dit.commands`` (what ``accelerate launch -m`` runs) and
+``python scripts/NAME.py`` all come here.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import logging
 import sys
 
-__all__ = ["COMMANDS", "command_name", "command_prog", "main"]
+__all__ = ["COMMANDS", "build_parser", "main"]
 
-# subcommand -> (module, what it does)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("train", "train a MoH-DiT or DiT on an image folder or a latent cache"),
-    "sample": ("sample", "sample images (PNG folder and ADM .npz) with any number of processes"),
-    "evaluate": ("evaluate", "FID, sFID, IS, precision/recall and class accuracy of samples"),
-    "sweep": ("sweep_head_ratio", "FID and class accuracy against the head activation ratio"),
-    "convert": ("convert_checkpoint", "convert the release's, DiT's or diffusers' checkpoints"),
-    "upcycle": ("upcycle", "turn a dense DiT into a MoH-DiT"),
-    "export": ("export_pipeline", "write (and push) a self-contained diffusers pipeline folder"),
-    "extract-latents": ("extract_latents", "encode an image folder into a latent cache"),
-    "train-classifier": ("train_classifier", "train the small classifier behind class accuracy"),
-    "make-demo-dataset": ("make_demo_dataset", "draw the demo's dataset of shapes"),
-    "demo": ("demo", "the whole job offline on the CPU, on data the package draws"),
-    "upcycle-demo": ("upcycle_demo", "upcycling against training from scratch, at demo scale"),
-    "plot-head-usage": ("plot_head_usage", "figures of which heads each layer uses (from samples or a training log)"),
-    "app": ("app", "a local web app: sample at any head ratio, with the head usage beside the images"),
+# command -> its module in this package
+COMMANDS = {
+    "train": "train",
+    "sample": "sample",
+    "evaluate": "evaluate",
+    "sweep": "sweep_head_ratio",
+    "convert": "convert_checkpoint",
+    "upcycle": "upcycle",
+    "export": "export_pipeline",
+    "extract-latents": "extract_latents",
+    "train-classifier": "train_classifier",
+    "make-demo-dataset": "make_demo_dataset",
+    "demo": "demo",
+    "upcycle-demo": "upcycle_demo",
+    "plot-head-usage": "plot_head_usage",
+    "app": "app",
 }
 
 
-def command_name(module: str) -> str | None:
-    """The subcommand of a command module (``moh_dit.commands.sweep_head_ratio`` -> ``sweep``)."""
-    package, _, leaf = module.rpartition(".")
-    if package != __name__:
-        return None
-    return next((name for name, (mod, _) in COMMANDS.items() if mod == leaf), None)
+def _module(name: str):
+    return importlib.import_module(f"{__name__}.{COMMANDS[name]}")
 
 
-def command_prog(module: str) -> str:
-    """``moh-dit <command>``, the name a command module's parser shows (``module``: its
-    ``__spec__.name``, which stays the module's name under ``python -m``)."""
-    return f"moh-dit {command_name(module)}"
+def build_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of ``moh-dit NAME``: the command's own arguments, then the common flags."""
+    module = _module(name)
+    parser = argparse.ArgumentParser(prog=f"moh-dit {name}", description=module.DESCRIPTION)
+    module.build_parser(parser)
+    common = parser.add_argument_group("common flags")
+    common.add_argument("--debug", action="store_true", default=False,
+                        help="on an error, show the traceback instead of one line")
+    level = common.add_mutually_exclusive_group()
+    level.add_argument("-q", "--quiet", dest="log_level", action="store_const", const=logging.WARNING,
+                       default=logging.INFO, help="print only warnings and errors")
+    level.add_argument("-v", "--verbose", dest="log_level", action="store_const", const=logging.DEBUG,
+                       help="also print debug messages")
+    return parser
 
 
 def _usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: moh-dit <command> [flags]   (moh-dit <command> --help for its flags)", "", "commands:"]
-    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    lines = ["usage: moh-dit COMMAND [flags]   (moh-dit COMMAND --help for its flags)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {_module(name).DESCRIPTION}" for name in COMMANDS]
     return "\n".join(lines)
 
 
+class _Format(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return f"{record.levelname.lower()}: {text}" if record.levelno >= logging.WARNING else text
+
+
+def message(error: BaseException) -> str:
+    """``error`` in one line; an OSError names its file (``strerror: filename``)."""
+    if isinstance(error, OSError) and error.filename is not None:
+        files = " -> ".join(str(f) for f in (error.filename, error.filename2) if f is not None)
+        text = f"{error.strerror or error}: {files}"
+    else:
+        text = str(error)
+        if not isinstance(error, (ValueError, OSError, RuntimeError)) or not text:
+            text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return " ".join(text.split())
+
+
+def run(name: str, argv: list[str] | None = None) -> int:
+    """Run ``moh-dit NAME`` with ``argv`` (default: the process's arguments); its exit status."""
+    args = build_parser(name).parse_args(argv)
+    # The library logs through ``logging.getLogger(__name__)``: a command shows its progress.
+    logger = logging.getLogger("moh_dit")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Format("%(message)s"))
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(args.log_level)
+    logger.propagate = False
+    try:
+        _module(name).main(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if args.debug:
+            raise
+        print(f"error: {message(error)}", file=sys.stderr)
+        return 1
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run ``moh-dit <command> [flags]``; returns the command's exit status."""
+    """``moh-dit COMMAND [flags]``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"moh-dit: unknown command {name!r}; choose one of: {', '.join(COMMANDS)}.", file=sys.stderr)
+    if argv[0] == "--version":
+        from moh_dit import __version__
+
+        print(f"moh-dit {__version__}")
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"moh-dit: error: unknown command {argv[0]!r} (moh-dit --help lists them)", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"{__name__}.{COMMANDS[name][0]}")
-    return module.cli(rest)  # its parser names itself `moh-dit <name>` (moh_dit.utils.cli)
+    return run(argv[0], argv[1:])

@@ -1,5 +1,4 @@
-"""``python -m moh_dit.commands <command> [flags]``: the ``moh-dit`` command without its script."""
-
+"""``python -m moh_dit.commands COMMAND [flags]`` (what ``accelerate launch -m`` runs)."""
 import sys
 
 from . import main

@@ -16,20 +16,11 @@ files whatever ``images_per_class`` is.
 
 from __future__ import annotations
 
-import json
 import math
-import numbers
 import os
 from pathlib import Path
 
-import numpy as np
-from PIL import Image, ImageDraw
-
-from ..errors import InvalidInput
-from ..hub.outputs import check_replaceable, naming_write_errors
-from ..utils.io import publish_folder, write_json_atomic
-from ..utils.output_folders import hold_output_folder, write_output_marker
-from ..utils.resources import check_fits_on_disk
+from ..outputs import output_folder, write_json
 
 __all__ = ["DEMO_SHAPES", "DEMO_COLOURS", "demo_classes", "render_demo_image", "make_demo_dataset"]
 
@@ -72,6 +63,9 @@ def _shape_polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> 
 
 def render_demo_image(class_name: str, rng: np.random.Generator, image_size: int = 32) -> Image.Image:
     """Draw one image of ``class_name`` (e.g. ``"red_circle"``) with the jitter drawn from ``rng``."""
+    import numpy as np  # here, so that the command's --help stays fast
+    from PIL import Image, ImageDraw
+
     colour_name, _, shape = class_name.partition("_")
     if colour_name not in DEMO_COLOURS or shape not in DEMO_SHAPES:
         raise ValueError(f"unknown demo class {class_name!r}; choose from {demo_classes()}")
@@ -99,71 +93,21 @@ def render_demo_image(class_name: str, rng: np.random.Generator, image_size: int
     return Image.fromarray(np.clip(np.rint(image), 0, 255).astype(np.uint8))
 
 
-def _is_demo_dataset(path: Path) -> bool:
-    try:
-        return json.loads((path / "demo_dataset.json").read_text()).get("format") == _FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+def make_demo_dataset(output_dir: str | os.PathLike, images_per_class: int = 300, image_size: int = 32, seed: int = 0,
+                      overwrite: bool = False) -> Path:
+    """Write the dataset to ``output_dir`` (ImageFolder layout, built whole and then renamed into
+    place) and return its path; ``overwrite`` replaces only a dataset this function wrote.
+    ``demo_dataset.json`` in the root records the settings (ImageFolder readers ignore it)."""
+    import numpy as np
 
-
-def make_demo_dataset(
-    output_dir: str | os.PathLike,
-    images_per_class: int = 300,
-    image_size: int = 32,
-    seed: int = 0,
-    overwrite: bool = False,
-) -> Path:
-    """Write the demo dataset to ``output_dir`` (ImageFolder layout) and return its path.
-
-    Files go to a temporary sibling folder that is renamed to ``output_dir`` once complete,
-    so an interrupted run leaves nothing behind under that name. ``overwrite`` replaces an
-    existing demo dataset (or empty folder) only after the new one is complete; any other
-    folder is refused. Arguments are checked before anything is written: ``images_per_class``
-    >= 1, ``image_size`` in [12, 1024], ``seed`` >= 0, and the images must fit on the disk. ``demo_dataset.json`` in
-    the root records the settings (ImageFolder readers ignore files in the root).
-    """
-    for name, value, low, high in (("images_per_class", images_per_class, 1, None),
-                                   ("image_size", image_size, MIN_IMAGE_SIZE, MAX_IMAGE_SIZE),
-                                   ("seed", seed, 0, None)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise InvalidInput(f"{name} must be an integer, got {value!r}", parameters=name)
-        if value < low or (high is not None and value > high):
-            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise InvalidInput(f"{name} must be {bounds}, got {value}", parameters=name)
-    output_dir = Path(output_dir)
-    check_replaceable(output_dir, overwrite, "make-demo-dataset", _is_demo_dataset,
-                      "a demo dataset (no demo_dataset.json written by this script)")
-    # A lower bound of what the PNGs take: a quarter of their pixels' bytes (the shapes on a flat
-    # background compress well), and at least one 4 KiB file-system block each.
-    images = images_per_class * len(demo_classes())
-    check_fits_on_disk(images * max(4096, 3 * image_size**2 // 4), output_dir,
-                       f"images_per_class {images_per_class} ({images} images of {image_size} px)",
-                       "ask for fewer images, or write to a larger disk", parameters="images_per_class")
-    with hold_output_folder(output_dir, "make-demo-dataset", "output_dir"):
-        _draw(output_dir, overwrite, images_per_class, image_size, seed)
-    return output_dir
-
-
-def _draw(output_dir: Path, overwrite: bool, images_per_class: int, image_size: int, seed: int) -> None:
-    """Draw the checked dataset beside ``output_dir`` and publish it there."""
-    check_replaceable(output_dir, overwrite, "make-demo-dataset", _is_demo_dataset,  # again, under the lock
-                      "a demo dataset (no demo_dataset.json written by this script)")
-    with naming_write_errors(output_dir), publish_folder(output_dir, replace=True) as tmp:  # refused above if not ours
+    with output_folder(output_dir, "make-demo-dataset", overwrite=overwrite, publish=True) as tmp:
         classes = demo_classes()
         for label, name in enumerate(classes):
             (tmp / name).mkdir()
             for i in range(images_per_class):
                 img = render_demo_image(name, np.random.default_rng([seed, label, i]), image_size)
                 img.save(tmp / name / f"{name}_{i:05d}.png")
-        write_json_atomic(
-            tmp / "demo_dataset.json",
-            {
-                "format": _FORMAT,
-                "version": _FORMAT_VERSION,
-                "seed": seed,
-                "images_per_class": images_per_class,
-                "image_size": image_size,
-                "classes": classes,
-            },
-        )
-        write_output_marker(tmp, "make-demo-dataset")
+        write_json(tmp / "demo_dataset.json", {"format": _FORMAT, "version": _FORMAT_VERSION, "seed": seed,
+                                               "images_per_class": images_per_class, "image_size": image_size,
+                                               "classes": classes})
+    return Path(output_dir)
