@@ -1,11 +1,19 @@
-"""The noise: DiT's Gaussian diffusion (schedules, training losses with the VB term, samplers) and
-the same process as diffusers schedulers for the pipeline (``make_scheduler``)."""
+"""The noise: DiT's Gaussian diffusion for training (losses with the VB term, respacing, the
+ancestral step) and ``make_scheduler``, the same process as a diffusers scheduler for sampling
+(defined beside the pipeline, so that an exported pipeline file carries it)."""
 
-from .gaussian_diffusion import (GaussianDiffusion, approx_standard_normal_cdf, create_diffusion,
-                                 discretized_gaussian_log_likelihood, linear_beta_schedule, mean_flat, normal_kl,
-                                 space_timesteps)
-from .schedulers import SCHEDULERS, eps_only_config, make_scheduler, scheduler_takes_variance
+from __future__ import annotations
 
-__all__ = ["GaussianDiffusion", "create_diffusion", "linear_beta_schedule", "space_timesteps", "normal_kl",
-           "approx_standard_normal_cdf", "discretized_gaussian_log_likelihood", "mean_flat", "SCHEDULERS",
-           "make_scheduler", "scheduler_takes_variance", "eps_only_config"]
+from typing import Any
+
+from .gaussian_diffusion import GaussianDiffusion, create_diffusion, space_timesteps
+
+__all__ = ["GaussianDiffusion", "create_diffusion", "space_timesteps", "make_scheduler"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "make_scheduler":  # imported when used: the pipeline module loads diffusers' pipelines
+        from ..pipelines.pipeline_moh_dit import make_scheduler
+
+        return make_scheduler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

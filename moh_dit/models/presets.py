@@ -1,22 +1,17 @@
-"""Model presets by the names users know, as plain data.
+"""Model presets by the names users know, as plain data (no torch: ``--preset`` choices and
+``--help`` stay fast).
 
-Every preset is a dict of ``MoHDiTTransformer2DModel`` constructor arguments. MoH layouts
-follow the authors' release (docs/design.md, section 2): per layer the number of heads,
-the number of shared heads and the routed top-K. Dense DiT presets have no routers
-(``num_shared_heads=None``) and match facebookresearch/DiT.
-
-The head-weighted activation ratio of a config is ``sum_l (hs_l + K_l) / sum_l h_l``; this
-weighting is what gives the MoH presets their "-75" / "-90" names.
+Every preset is a dict of ``MoHDiTTransformer2DModel`` arguments. MoH layouts follow the
+authors' release: per layer the number of heads, of shared heads and the routed top-K; the
+head-weighted activation ``sum (hs + K) / sum h`` gives the "-75" / "-90" names. Dense DiT
+presets have no routers (``num_shared_heads=None``) and match facebookresearch/DiT.
 """
 
 from __future__ import annotations
 
-import copy
-from typing import Any, Sequence
+from typing import Any
 
-from .layout import HeadLayout
-
-__all__ = ["PRESETS", "UPCYCLED_PRESETS", "get_preset", "head_activation_ratio_of_config", "resolve_layer_layout"]
+__all__ = ["PRESETS", "preset_names"]
 
 
 def _repeat(*runs: tuple[int, int]) -> list[int]:
@@ -133,62 +128,28 @@ PRESETS.update(
 )
 
 
-def get_preset(name: str, **overrides: Any) -> dict[str, Any]:
-    """Return a fresh copy of preset ``name`` with ``overrides`` applied."""
-    if name not in PRESETS:
-        raise ValueError(f"Unknown preset {name!r}. Known presets: {', '.join(PRESETS)}.")
-    config = copy.deepcopy(PRESETS[name])
-    config.update(overrides)
-    return config
+def preset_names() -> list[str]:
+    """Every preset's name, e.g. for argparse ``choices``."""
+    return list(PRESETS)
 
 
-def resolve_layer_layout(
-    num_layers: int,
-    num_attention_heads: int | Sequence[int],
-    num_shared_heads: int | Sequence[int] | None,
-    top_k: int | Sequence[int] | None,
-) -> tuple[list[int], list[int] | None, list[int] | None]:
-    """``(heads, shared, top_k)`` per layer as lists (``shared`` and ``top_k`` None for a dense
-    DiT), validated by :meth:`HeadLayout.parse <moh_dit.models.layout.HeadLayout.parse>`."""
-    layout = HeadLayout.parse(num_layers, num_attention_heads, num_shared_heads, top_k)
-    return list(layout.heads), *(None if v is None else list(v) for v in (layout.shared, layout.top_k))
-
-
-def head_activation_ratio_of_config(config: dict[str, Any]) -> float:
-    """Head-weighted activation ``sum (hs + K) / sum h`` of a model config (1.0 for dense DiT)."""
-    return HeadLayout.of_config(config).activation_ratio()
-
-
-# --------------------------------------------------------------------------------------
 # Upcycled layouts: MoH layouts that keep a dense DiT's head count in every layer, so that
-# ``moh_dit.hub.upcycle`` can carry every dense weight over (docs/upcycling.md). The paper's
-# MoH-DiT presets change the head count per layer and cannot take dense weights. As in the
-# paper's layouts, the first layers keep every head and the later ones route; the routed
-# pools (E routed heads, top-K) are the paper's: XL-75 has E=6, K=2 in layers 9-18 and
-# E=10, K=2 in layers 19-27, XL-90 has E=8, K=3 in layers 19-27.
-# --------------------------------------------------------------------------------------
-
-UPCYCLED_PRESETS: dict[str, tuple[str, float]] = {}  # upcycled preset -> (dense preset, activation)
-
-
-def _upcycled(dense: str, activation: float, shared: list[int], top_k: list[int]) -> dict[str, Any]:
-    config = copy.deepcopy(PRESETS[dense])
-    config.update(num_attention_heads=[config["num_attention_heads"]] * config["num_layers"],
-                  num_shared_heads=shared, top_k=top_k)
-    return config
-
-
-for _name, _dense, _act, _shared, _k in (
+# ``moh_dit.hub.upcycle`` can carry every dense weight over (the paper's MoH-DiT presets change
+# the head count per layer). As in the paper's layouts the first layers keep every head and the
+# later ones route, with the paper's routed pools: XL-75 has E=6, K=2 in layers 9-18 and E=10,
+# K=2 in layers 19-27; XL-90 has E=8, K=3 in layers 19-27.
+for _name, _dense, _shared, _k in (
     # 144 + 120 + 72 = 336 of 448 heads active: 0.75
-    ("MoH-DiT-XL/2-up75", "DiT-XL/2", 0.75, _repeat((16, 9), (10, 10), (6, 9)), _repeat((0, 9), (2, 10), (2, 9))),
+    ("MoH-DiT-XL/2-up75", "DiT-XL/2", _repeat((16, 9), (10, 10), (6, 9)), _repeat((0, 9), (2, 10), (2, 9))),
     # 304 + 99 = 403 of 448: 0.8996, as MoH-DiT-XL/2-90
-    ("MoH-DiT-XL/2-up90", "DiT-XL/2", 0.9, _repeat((16, 19), (8, 9)), _repeat((0, 19), (3, 9))),
+    ("MoH-DiT-XL/2-up90", "DiT-XL/2", _repeat((16, 19), (8, 9)), _repeat((0, 19), (3, 9))),
     # the layout of MoH-DiT-Tiny (which keeps 4 heads per layer): 18 of 24, 0.75
-    ("MoH-DiT-Tiny-up75", "DiT-Tiny", 0.75, [4, 2, 2, 1, 2, 0], [0, 1, 1, 2, 1, 2]),
+    ("MoH-DiT-Tiny-up75", "DiT-Tiny", [4, 2, 2, 1, 2, 0], [0, 1, 1, 2, 1, 2]),
     # 12 + 4 + 3 + 3 = 22 of 24: 0.9167, the nearest to 0.9 with whole heads
-    ("MoH-DiT-Tiny-up90", "DiT-Tiny", 0.9, [4, 4, 4, 3, 2, 2], [0, 0, 0, 1, 1, 1]),
+    ("MoH-DiT-Tiny-up90", "DiT-Tiny", [4, 4, 4, 3, 2, 2], [0, 0, 0, 1, 1, 1]),
     # the CPU demo's size (16 px, patch 2; the layout of MoH-DiT-Tiny/2): the upcycling demo
-    ("MoH-DiT-Tiny/2-up75", "DiT-Tiny/2", 0.75, [4, 2, 2, 1, 2, 0], [0, 1, 1, 2, 1, 2]),
+    ("MoH-DiT-Tiny/2-up75", "DiT-Tiny/2", [4, 2, 2, 1, 2, 0], [0, 1, 1, 2, 1, 2]),
 ):
-    PRESETS[_name] = _upcycled(_dense, _act, _shared, _k)
-    UPCYCLED_PRESETS[_name] = (_dense, _act)
+    _layers = PRESETS[_dense]["num_layers"]
+    PRESETS[_name] = dict(PRESETS[_dense], num_attention_heads=[PRESETS[_dense]["num_attention_heads"]] * _layers,
+                          num_shared_heads=_shared, top_k=_k)
