@@ -110,17 +110,29 @@ def tiny_pipe():
     return tiny_pipe_
 
 
+class _Command:
+    """``moh-dit NAME`` (the command or its module's name), run through the dispatcher; its
+    module's names are its attributes."""
 
+    def __init__(self, name: str):
+        from moh_dit.commands import COMMANDS
 
-def _load_script(name: str):
-    """The command behind ``scripts/<name>.py`` (``moh_dit.commands.<name>``)."""
-    return importlib.import_module(f"moh_dit.commands.{name}")
+        self.name = name if name in COMMANDS else next(n for n, m in COMMANDS.items() if m == name)
+        self.module = importlib.import_module(f"moh_dit.commands.{COMMANDS[self.name]}")
+
+    def cli(self, argv: list | None = None) -> int:
+        from moh_dit.commands import run
+
+        return run(self.name, [str(a) for a in argv or []])
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
 
 
 @pytest.fixture(scope="session")
 def load_script():
-    """``load_script("sample")`` is the module of ``scripts/sample.py`` (``moh_dit.commands.sample``)."""
-    return _load_script
+    """``load_script("sample").cli(argv)`` runs ``moh-dit sample`` as ``scripts/sample.py`` does."""
+    return _Command
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -132,7 +144,7 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 @pytest.fixture
 def refuses(load_script, tmp_path, capsys):
-    """``refuses("train", argv, match)`` runs ``scripts/train.py``'s ``cli(argv)`` and checks that it
+    """``refuses("train", argv, match)`` runs ``moh-dit train`` with ``argv`` and checks that it
     was refused: exit status 1 (or argparse's 2), ``match`` (a regex) in the one-line error on stderr,
     no traceback, and nothing under ``tmp_path`` created, changed or removed. Bad-input tables use
     it with paths under ``tmp_path``; prepare inputs before calling it."""
