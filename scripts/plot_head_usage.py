@@ -1,9 +1,7 @@
-"""`moh-dit plot-head-usage` from a clone: ``python scripts/plot_head_usage.py --help`` (the command lives in
-``moh_dit/commands/plot_head_usage.py``)."""
-
+"""`moh-dit plot-head-usage` from a clone: ``python scripts/plot_head_usage.py --help``."""
 import sys
 
-from moh_dit.commands.plot_head_usage import cli, main, parse_args  # noqa: F401
+from moh_dit.commands import main
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(main(["plot-head-usage", *sys.argv[1:]]))

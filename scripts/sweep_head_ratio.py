@@ -1,9 +1,7 @@
-"""`moh-dit sweep` from a clone: ``python scripts/sweep_head_ratio.py --help`` (the command lives in
-``moh_dit/commands/sweep_head_ratio.py``)."""
-
+"""`moh-dit sweep` from a clone: ``python scripts/sweep_head_ratio.py --help``."""
 import sys
 
-from moh_dit.commands.sweep_head_ratio import cli, main, parse_args  # noqa: F401
+from moh_dit.commands import main
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(main(["sweep", *sys.argv[1:]]))

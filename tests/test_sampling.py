@@ -183,17 +183,18 @@ def test_load_pipeline_takes_pipeline_run_and_transformer_folders(tmp_path, samp
 def test_a_latent_model_without_its_vae_is_refused(tmp_path):
     from moh_dit import MoHDiTTransformer2DModel
 
-    MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, in_channels=4).save_pretrained(tmp_path / "latent")
+    latent = MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, in_channels=4)
+    latent.save_pretrained(tmp_path / "latent")
     with pytest.raises(ValueError, match="VAE"):
         load_pipeline(tmp_path / "latent")
 
 
 def test_the_commands_flags(tmp_path, capsys):
-    args = parse(["--model", "m", "--output", tmp_path / "o", "--vae", "none", "--head-activation-ratio", "linear:0.5:1",
-                  "--per-device-batch-size", "8", "--scheduler", "ddim", "--clip-sample", "no"])
+    args = parse(["--model", "m", "--output", tmp_path / "o", "--vae", "none", "--per-device-batch-size", "8",
+                  "--head-activation-ratio", "linear:0.5:1", "--scheduler", "ddim", "--clip-sample", "no"])
     assert args.output_dir == str(tmp_path / "o") and args.vae == "none" and args.batch_size == 8
-    assert args.head_activation_ratio == "linear:0.5:1" and parse(["--model", "m", "--output_dir", "o",
-                                                                   "--head-activation-ratio", "0.75"]).head_activation_ratio == 0.75
+    assert args.head_activation_ratio == "linear:0.5:1"
+    assert parse(["--model", "m", "--output_dir", "o", "--head-activation-ratio", "0.75"]).head_activation_ratio == 0.75
     for bad in (["--num-samples", "0"], ["--per-device-batch-size", "-4"], ["--num-inference-steps", "2.5"],
                 ["--head-activation-ratio", "half"], ["--scheduler", "euler"], ["--class-labels", "random"],
                 ["--seed", "-1"], ["--num-samples", str(10**9)]):

@@ -47,7 +47,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-device-batch-size", type=int_range(1, 4096), default=32, dest="batch_size")
     parser.add_argument("--guidance-scale", type=float, default=1.5, help="classifier-free guidance; 1 = none")
     parser.add_argument("--guidance-channels", choices=("dit", "all"), default="dit",
-                        help="dit: the first 3 eps channels, as DiT's sampler and the paper; all: diffusers' DiTPipeline")
+                        help="dit: the first 3 eps channels, as DiT and the paper; all: as diffusers' DiTPipeline")
     parser.add_argument("--num-inference-steps", type=int_range(1, 10_000), default=250)
     parser.add_argument("--scheduler", choices=("ddpm", "ddim", "dpm", "saved"), default="saved",
                         help="saved: a pipeline folder's own (DDPM for a transformer folder)")

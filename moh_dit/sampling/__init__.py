@@ -29,7 +29,7 @@ import torch
 from ..outputs import atomic_write, output_folder, read_json, write_json
 
 __all__ = ["CONFIG_FILE", "IMAGE_DIR", "NPZ_FILE", "class_labels_for", "generate", "load_pipeline", "png_path",
-           "sample", "sample_images", "to_uint8", "write_npz"]
+           "sample", "sample_images", "save_png", "to_uint8", "write_npz"]
 
 IMAGE_DIR, NPZ_FILE, CONFIG_FILE = "samples", "samples.npz", "sample_config.json"
 RUN_CONFIG = "train_config.json"  # what marks a training run's folder
@@ -193,8 +193,10 @@ def sample(model: str | os.PathLike, output_dir: str | os.PathLike, *, num_sampl
             print(json.dumps(config, indent=2))
         return config
     inputs = {"model": model, "vae": vae if vae is not None and Path(vae).exists() else None}
-    held = (output_folder(output_dir, "sample", overwrite=overwrite, resume=not overwrite, inputs=inputs, setup=(CONFIG_FILE,))
-            if accelerator.is_main_process else contextlib.nullcontext())
+    held = contextlib.nullcontext()
+    if accelerator.is_main_process:
+        held = output_folder(output_dir, "sample", overwrite=overwrite, resume=not overwrite, inputs=inputs,
+                             setup=(CONFIG_FILE,))
     with held:
         if accelerator.is_main_process:
             _check_config(Path(output_dir), config)
