@@ -526,7 +526,7 @@ def test_evaluate_writes_the_json_and_replaces_only_an_earlier_result(flags, tmp
     ({"--labels": "{tmp}/samples.npz"}, "--classifier"),
     ({"--batch-size": "0"}, "--batch-size"),
     ({"--num-workers": "-1"}, "--num-workers"),
-    ({"--device": "gpu"}, "--device"),
+    ({"--device": "gpu"}, "gpu"),
     ({"--random-inception-seed": "-1"}, "--random-inception-seed"),
     ({"--inception-weights": "{tmp}/w.pth"}, "not allowed with"),
 ])

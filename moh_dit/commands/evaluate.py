@@ -1,7 +1,4 @@
-"""``moh-dit evaluate``: FID, sFID, IS, precision/recall (as ADM's evaluator) and class accuracy of samples.
-
-    moh-dit evaluate --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz --output metrics.json
-"""
+"""``moh-dit evaluate --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz --output metrics.json``"""
 
 from __future__ import annotations
 
@@ -11,43 +8,38 @@ import os
 DESCRIPTION = "FID, sFID, IS, precision/recall and class accuracy of samples"
 
 
-def int_range(low: int, high: int | None = None):
-    """An argparse type: an int in [low, high]."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {high if high is not None else 'inf'}], got {text}")
+def number_in(kind: type, low: float, high: float = float("inf"), *, open_interval: bool = False):
+    """An argparse type: a ``kind`` in [low, high], or in (low, high) with ``open_interval`` (NaN never)."""
+    def parse(text: str):
+        value = kind(text)
+        if not (low < value < high if open_interval else low <= value <= high):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if open_interval else '['}{low}, {high}"
+                                             f"{')' if open_interval else ']'}, got {text}")
         return value
 
-    parse.__name__ = "int"
+    parse.__name__ = kind.__name__
     return parse
-
-
-def device(text: str) -> str:
-    if text not in ("cpu", "cuda", "mps") and not (text.startswith("cuda:") and text[5:].isdigit()):
-        raise argparse.ArgumentTypeError(f"cpu, cuda, cuda:N or mps, got {text!r}")
-    return text
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", required=True, help="sample .npz (arr_0 uint8 NHWC, streamed) or image folder")
-    parser.add_argument("--ref", dest="reference", required=True,
+    parser.add_argument("--ref", dest="reference", metavar="REF", required=True,
                         help="ADM reference batch .npz, statistics .npz (mu, sigma), or image .npz / folder")
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--inception-weights", help="torch-fidelity's weights-inception-2015-12-05-6726825d.pth "
                          "(default: $MOH_DIT_INCEPTION_WEIGHTS, the torch hub cache, else a download)")
-    weights.add_argument("--random-inception-seed", type=int_range(0, 2**64 - 1),
+    weights.add_argument("--random-inception-seed", type=number_in(int, 0, 2**64 - 1),
                          help="a random Inception with this seed: offline smoke tests, NOT comparable to published")
     parser.add_argument("--no-download", action="store_true", help="never download the Inception weights")
     parser.add_argument("--output", help="write the results to this JSON file")
-    parser.add_argument("--device", type=device, help="cpu, cuda or cuda:N (default: cuda when there is one)")
-    parser.add_argument("--batch-size", type=int_range(1, 4096), default=64, help="images per Inception pass")
-    parser.add_argument("--num-workers", type=int_range(0, os.cpu_count() or 1), default=4,
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when there is one)")
+    parser.add_argument("--batch-size", type=number_in(int, 1, 4096), default=64, help="images per Inception pass")
+    parser.add_argument("--num-workers", type=number_in(int, 0, os.cpu_count() or 1), default=4,
                         help="image decoding processes for folders")
     parser.add_argument("--cache-dir", help="reference statistics cache (default: $MOH_DIT_CACHE/reference_stats, "
                         "else ~/.cache/moh-dit/reference_stats)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the reference cache")
-    parser.add_argument("--split-size", type=int_range(1), default=5000, help="Inception Score split (ADM: 5000)")
+    parser.add_argument("--split-size", type=number_in(int, 1), default=5000, help="Inception Score split (ADM: 5000)")
     parser.add_argument("--allow-resolution-mismatch", action="store_true",
                         help="evaluate samples whose resolution is not the reference's (recorded in the JSON)")
     parser.add_argument("--classifier", help="class accuracy with a train-classifier folder or torchvision:NAME")
@@ -58,15 +50,16 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    import contextlib
     import errno
     import json
-    import sys
+    import logging
     from pathlib import Path
 
     import torch
 
     from moh_dit import evaluation
-    from moh_dit.outputs import check_outside_inputs, write_json
+    from moh_dit.outputs import check_outside_inputs, read_json, write_json
 
     classifier_folder = None if (args.classifier or "torchvision:").startswith("torchvision:") else args.classifier
     inputs = {"--samples": args.samples, "--ref": args.reference, "--labels": args.labels,
@@ -74,14 +67,16 @@ def main(args: argparse.Namespace) -> None:
               "--classifier-weights": args.classifier_weights, "--inception-weights": args.inception_weights}
     if args.output is not None:
         check_outside_inputs(args.output, inputs)
-        output = Path(args.output)
-        if output.is_dir() or (output.exists() and "fid" not in _read_json_object(output)):
-            raise FileExistsError(errno.EEXIST, "--output exists and is not a result of moh-dit evaluate; choose "
-                                  "another file", str(output))
+        earlier = {}
+        with contextlib.suppress(OSError, ValueError):
+            earlier = read_json(args.output)
+        if Path(args.output).exists() and not (isinstance(earlier, dict) and "fid" in earlier):
+            raise FileExistsError(errno.EEXIST, "not an earlier result of moh-dit evaluate; choose another --output",
+                                  args.output)
     if not args.no_cache:
         check_outside_inputs(args.cache_dir or evaluation.reference_cache_dir(),
                              {"--samples": args.samples, "--ref": args.reference})
-    run_on = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    run_on = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     classifier = labels = class_map = None
     if args.classifier is not None:
         classifier = evaluation.load_classifier(args.classifier, args.classifier_weights, device=run_on)
@@ -90,8 +85,8 @@ def main(args: argparse.Namespace) -> None:
     elif args.labels or args.class_map or args.classifier_weights:
         raise ValueError("--labels, --class-index and --classifier-weights are for class accuracy: give --classifier")
     if args.random_inception_seed is not None:
-        print(f"warning: a random InceptionV3 (seed {args.random_inception_seed}): an offline smoke test whose numbers "
-              "are NOT comparable to published ones", file=sys.stderr)
+        logging.getLogger(__name__).warning(f"a random InceptionV3 (seed {args.random_inception_seed}): a smoke test "
+                                            "whose numbers are NOT comparable to published ones")
     result = evaluation.evaluate(
         args.samples, args.reference, inception_weights=args.inception_weights,
         random_inception_seed=args.random_inception_seed, download=not args.no_download, device=run_on,
@@ -102,27 +97,3 @@ def main(args: argparse.Namespace) -> None:
     print(json.dumps(result, indent=2))
     if args.output is not None:
         write_json(args.output, result)
-
-
-def _read_json_object(path) -> dict:
-    import json
-
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def cli(argv=None) -> int:  # TEMPORARY: until the dispatcher builds the parser itself
-    import sys
-
-    parser = argparse.ArgumentParser(prog="moh-dit evaluate", description=DESCRIPTION)
-    build_parser(parser)
-    args = parser.parse_args(argv)
-    try:
-        main(args)
-    except Exception as error:  # noqa: BLE001
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0

@@ -146,8 +146,7 @@ def open_images(images: Any, name: str = "images") -> Images:
 
 @dataclasses.dataclass
 class Features:
-    """Features of an image set in image order, float32: ``pool`` for FID and precision/recall,
-    ``logits`` for the Inception Score, ``spatial`` for sFID (None where the extractor has none)."""
+    """An image set's features in image order, float32 (None where the extractor has none)."""
 
     pool: np.ndarray  # (N, 2048)
     logits: np.ndarray | None = None  # (N, 1008)
@@ -167,8 +166,8 @@ def extractor_identity(extractor: nn.Module) -> str:
 @torch.no_grad()
 def extract_features(images: Any, extractor: nn.Module, *, device: torch.device | str = "cpu", batch_size: int = 64,
                      num_workers: int = 0, on_batch: Callable[[torch.Tensor], None] | None = None) -> Features:
-    """Run ``extractor`` (uint8 (N, 3, H, W) -> dict of ``pool``, ``logits``, ``spatial``) over
-    ``images`` (anything :func:`open_images` takes). ``on_batch`` sees each uint8 NHWC batch too."""
+    """Run ``extractor`` (uint8 (N, 3, H, W) -> dict of ``pool``, ``logits``, ``spatial``) over ``images``;
+    ``on_batch`` sees each uint8 NHWC batch too (the classifier of class accuracy)."""
     from tqdm.auto import tqdm
 
     images = open_images(images)
@@ -184,8 +183,6 @@ def extract_features(images: Any, extractor: nn.Module, *, device: torch.device 
                     parts.setdefault(key, []).append(value.float().cpu())
             bar.update(len(batch))
     joined = {key: torch.cat(value).numpy() for key, value in parts.items()}
-    if "pool" not in joined:
-        raise ValueError(f"{images.description}: no images")
     return Features(joined["pool"], joined.get("logits"), joined.get("spatial"))
 
 
@@ -203,8 +200,6 @@ class FeatureStatistics:
 def compute_statistics(features: np.ndarray) -> FeatureStatistics:
     """ADM's statistics: np.mean and np.cov (unbiased) in float64."""
     features = np.asarray(features, dtype=np.float64)
-    if features.ndim != 2 or len(features) < 2:
-        raise ValueError(f"statistics need at least 2 feature vectors (N, D), got shape {features.shape}")
     return FeatureStatistics(features.mean(axis=0), np.cov(features, rowvar=False))
 
 
@@ -343,8 +338,7 @@ def precision_recall(reference_features: Any, sample_features: Any, k: int = ADM
 
 @dataclasses.dataclass
 class Reference:
-    """What samples are compared with: FID/sFID statistics (an ADM batch's stored ones, or its
-    images'), and the images' features for precision/recall (None for a statistics file)."""
+    """FID/sFID statistics (stored, or of the images) and the images' features (precision/recall)."""
 
     source: str
     pool: FeatureStatistics
@@ -472,16 +466,10 @@ def evaluate(samples: Any, reference: str | os.PathLike | Reference, *, extracto
              cache_dir: str | os.PathLike | None = None, use_cache: bool = True, split_size: int = ADM_SPLIT_SIZE,
              k: int = ADM_K, allow_resolution_mismatch: bool = False, classifier: Any = None,
              labels: Iterable[int] | None = None, class_map: dict[int, int] | None = None) -> dict[str, Any]:
-    """FID, sFID, Inception Score, precision and recall of ``samples`` against ``reference``, as ADM.
-
-    ``samples``: anything :func:`open_images` takes. ``reference``: a path :func:`load_reference`
-    takes, or its result (reuse it across a sweep). The feature network is ``extractor``, else
-    the seeded random Inception (``random_inception_seed``: offline tests, NOT comparable), else
-    the TF Inception with :func:`~.inception.resolve_inception_weights`. Inputs are read and checked
-    before the network is loaded, and samples and reference of different resolutions refused
-    unless ``allow_resolution_mismatch``. With a ``classifier`` (:func:`~.classes.load_classifier`)
-    and the samples' ``labels``, the class accuracy of the samples comes in the same pass.
-    """
+    """FID, sFID, Inception Score, precision and recall of ``samples`` (what :func:`open_images` takes)
+    against ``reference`` (a path, or :func:`load_reference`'s result), and with a ``classifier`` and the
+    samples' ``labels`` their class accuracy, in one pass. The network is ``extractor``, else the seeded
+    random Inception (offline tests: NOT comparable), else the TF Inception. Inputs are checked first."""
     from . import classes, inception
 
     images = open_images(samples, "samples")

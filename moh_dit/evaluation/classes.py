@@ -55,10 +55,6 @@ class SampleClassifier:
         self.model, self.preprocess, self.classes = model.eval(), preprocess, list(classes)
         self.identity, self.held_out_accuracy = identity, held_out_accuracy
 
-    def to(self, device: torch.device | str) -> "SampleClassifier":
-        self.model.to(device)
-        return self
-
     @torch.no_grad()
     def predict(self, images: torch.Tensor) -> torch.Tensor:
         x = images.to(next(self.model.parameters()).device).permute(0, 3, 1, 2).float() / 255.0  # (N, 3, H, W)
@@ -161,10 +157,6 @@ def _torchvision(name: str, weights_file: str | os.PathLike | None) -> SampleCla
     model = torchvision.models.get_model(name, weights=None)
     if weights_file is None:  # the torch hub cache, else a download
         state, source = weights.get_state_dict(progress=True, check_hash=True), weights.url
-    elif str(weights_file).endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state, source = load_file(weights_file), str(weights_file)
     else:
         state, source = torch.load(weights_file, map_location="cpu", weights_only=True), str(weights_file)
     model.load_state_dict(state)
@@ -184,7 +176,9 @@ def load_classifier(classifier: str | os.PathLike, classifier_weights: str | os.
     (``classifier_weights``: a local .pth / .safetensors state dict instead of the hub's)."""
     spec = os.fspath(classifier)
     if spec.startswith("torchvision:"):
-        return _torchvision(spec.removeprefix("torchvision:"), classifier_weights).to(device)
+        classifier = _torchvision(spec.removeprefix("torchvision:"), classifier_weights)
+        classifier.model.to(device)
+        return classifier
     from safetensors.torch import load_file
 
     path = Path(spec).expanduser()
@@ -195,8 +189,8 @@ def load_classifier(classifier: str | os.PathLike, classifier_weights: str | os.
     model = SmallCNN(len(record["classes"]), width=record["width"])
     model.load_state_dict(load_file(path / "model.safetensors"))
     size = record["image_size"]
-    return SampleClassifier(model, lambda x: resize_square(x, size) * 2.0 - 1.0, record["classes"],
-                            f"moh-dit-classifier:{path.resolve()}", record["held_out"]["accuracy"]).to(device)
+    return SampleClassifier(model.to(device), lambda x: resize_square(x, size) * 2.0 - 1.0, record["classes"],
+                            f"moh-dit-classifier:{path.resolve()}", record["held_out"]["accuracy"])
 
 
 # ----- the metric -----------------------------------------------------------------------------
