@@ -127,7 +127,7 @@ def measure_head_usage(pipe, classes: Sequence[int | str] | None = None, images_
     guidance the unconditional half of each call counts too. Latents are never decoded."""
     from tqdm.auto import tqdm
 
-    from .models.head_activation import head_activation  # TODO: moh_dit.models.head_activation once exported
+    from .models import head_activation
 
     transformer = pipe.transformer
     if not transformer.is_moh:

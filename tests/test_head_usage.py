@@ -1,7 +1,6 @@
 """Head usage: what is measured is what the transformer reports, what is drawn is what was measured
 (read back from the figure's artists), the training log, and the command's output rules."""
 
-import argparse
 import json
 import math
 import os
@@ -12,7 +11,7 @@ import PIL.Image
 import pytest
 import torch
 
-from moh_dit.commands import plot_head_usage as command
+from moh_dit.commands import build_parser, plot_head_usage as command
 from moh_dit.head_usage import (JSON_FILE, PLOT_FILE, TIMESTEP, TRAINING_STEP, HeadUsage, head_usage_from_log,
                                 measure_head_usage, plot_head_usage, write_head_usage)
 
@@ -173,9 +172,7 @@ def test_the_training_log_over_step_ranges(tmp_path):
 # ----- the command ----------------------------------------------------------------------------
 
 def run(*argv):
-    parser = argparse.ArgumentParser()
-    command.build_parser(parser)
-    command.main(parser.parse_args([str(a) for a in argv]))
+    command.main(build_parser("plot-head-usage").parse_args([str(a) for a in argv]))
 
 
 def test_a_log_in_the_current_folder_plots_below_it_never_into_it(tmp_path, monkeypatch):

@@ -1,7 +1,6 @@
 """Sampling at scale: per-index labels and seeds, DiT's quantisation, the streamed ADM .npz, the
 same images for any batch size or process count, resume, load_pipeline and the command's flags."""
 
-import argparse
 import functools
 import json
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from moh_dit import MoHDiTPipeline
-from moh_dit.commands import sample as command
+from moh_dit.commands import build_parser, sample as command
 from moh_dit.diffusion import make_scheduler
 from moh_dit.sampling import (CONFIG_FILE, class_labels_for, generate, load_pipeline, png_path, sample,
                               sample_images, to_uint8, write_npz)
@@ -38,9 +37,7 @@ def read_pngs(folder, n):
 
 
 def parse(argv):
-    parser = argparse.ArgumentParser()
-    command.build_parser(parser)
-    return parser.parse_args([str(a) for a in argv])
+    return build_parser("sample").parse_args([str(a) for a in argv])
 
 
 def test_class_labels_balanced_and_per_index():

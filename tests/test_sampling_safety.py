@@ -100,3 +100,16 @@ def test_a_vae_folder_is_an_input_too(tmp_path, tiny_vae, model_dir):
     with pytest.raises(ValueError, match="overlap the input vae"):
         sample(model_dir, tmp_path / "vae" / "out", vae=str(tmp_path / "vae"), **FAST)
     assert not (tmp_path / "vae" / "out").exists()
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--num-samples", "0"], "--num-samples"), (["--head-activation-ratio", "half"], "--head-activation-ratio"),
+    (["--seed", "-1"], "--seed"), (["--scheduler", "euler"], "--scheduler"),
+    (["--head-activation-ratio", "0.1"], r"0\.1"),  # the model's reachable range, checked by the model
+    (["--model", "{tmp}/nope"], "nope"), (["--output", "{model}/samples"], "overlap"),
+])
+def test_the_command_refuses_in_one_line_before_writing(extra, match, model_dir, tmp_path, refuses):
+    fill = lambda a: str(a).replace("{tmp}", str(tmp_path)).replace("{model}", str(model_dir))  # noqa: E731
+    argv = ["--model", model_dir, "--output", tmp_path / "out", "--num-samples", "2", "--num-inference-steps", "1"]
+    refuses("sample", argv + [fill(a) for a in extra], match)
+    assert not (model_dir / "samples").exists()

@@ -2,7 +2,6 @@
 same images at every ratio, schedules, the bootstrap and Wilson intervals, the written files and
 plot, errors before any sampling, and the command's flags."""
 
-import argparse
 import csv
 import json
 
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moh_dit import MoHDiTTransformer2DModel
-from moh_dit.commands import sweep_head_ratio as command
+from moh_dit.commands import build_parser, sweep_head_ratio as command
 from moh_dit.models.flops import model_attention_flops
 from moh_dit.sampling import load_pipeline, png_path, to_uint8
 from moh_dit.sampling.sweep import plot_sweep, sweep, table, wilson_interval
@@ -206,8 +205,7 @@ def test_the_output_is_only_ever_a_sweeps(model_dir, reference_dir, tmp_path, sw
 
 
 def test_the_commands_flags(capsys):
-    parser = argparse.ArgumentParser()
-    command.build_parser(parser)
+    parser = build_parser("sweep")
     args = parser.parse_args(["--model", "m", "--ref", "r", "--ratios", "trained, 1.0,0.6,min,linear:0.5:1",
                               "--output", "o"])
     assert args.ratios == ["trained", 1.0, 0.6, "min", "linear:0.5:1"] and args.output_dir == "o"
@@ -226,8 +224,7 @@ def test_the_command_loads_the_pipeline_once_and_draws_the_head_usage(model_dir,
     import moh_dit.sampling.sweep as library
     from moh_dit.head_usage import measure_head_usage
 
-    parser = argparse.ArgumentParser()
-    command.build_parser(parser)
+    parser = build_parser("sweep")
     argv = ["--model", model_dir, "--ref", reference_dir, "--ratios", "1.0,min", "--num-samples", "4",
             "--num-inference-steps", "1", "--guidance-scale", "1", "--random-inception-seed", "0", "--no-cache",
             "--device", "cpu", "--head-usage-images", "1", "--output", tmp_path / "out"]

@@ -10,6 +10,7 @@ Writes head_usage.png and head_usage.json (the plotted numbers). Latents are nev
 from __future__ import annotations
 
 import argparse
+import logging
 
 from .sample import DTYPES, int_range
 
@@ -41,7 +42,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from moh_dit.head_usage import head_usage_from_log, measure_head_usage, write_head_usage
+    from moh_dit.head_usage import JSON_FILE, PLOT_FILE, head_usage_from_log, measure_head_usage, write_head_usage
     from moh_dit.outputs import output_folder
 
     source = Path(args.model or args.log).expanduser().resolve()
@@ -64,7 +65,7 @@ def main(args: argparse.Namespace) -> None:
                                        num_inference_steps=args.num_inference_steps,
                                        guidance_scale=args.guidance_scale,
                                        head_activation_ratio=args.head_activation_ratio, seed=args.seed,
-                                       timestep_bins=args.timestep_bins, progress=not getattr(args, "quiet", False))
+                                       timestep_bins=args.timestep_bins, progress=args.log_level <= logging.INFO)
             title = f"{source.name}: head usage"
         write_head_usage(usage, folder, args.title or title)
-    print(f"wrote {Path(args.output_dir) / 'head_usage.png'} and head_usage.json")
+    logging.getLogger(__name__).info("wrote %s and %s", Path(args.output_dir) / PLOT_FILE, JSON_FILE)

@@ -11,6 +11,7 @@ count; to resume, run the same command again.
 from __future__ import annotations
 
 import argparse
+import logging
 
 DESCRIPTION = "sample images (PNG folder and ADM .npz) with any number of processes"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -79,4 +80,4 @@ def main(args: argparse.Namespace) -> None:
            clip_sample={"auto": None, "yes": True, "no": False}[args.clip_sample],
            dtype=getattr(torch, args.dtype), npz=not args.no_npz, compile=args.compile,
            compile_mode=args.compile_mode, overwrite=args.overwrite, dry_run=args.dry_run,
-           progress=not getattr(args, "quiet", False))
+           progress=args.log_level <= logging.INFO)

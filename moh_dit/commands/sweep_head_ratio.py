@@ -10,6 +10,7 @@ sweep.csv and fid_vs_ratio.png (FID against mean attention FLOPs, with 95% boots
 from __future__ import annotations
 
 import argparse
+import logging
 
 from .sample import DTYPES, int_range
 
@@ -90,6 +91,6 @@ def main(args: argparse.Namespace) -> None:
         eval_batch_size=args.eval_batch_size, cache_dir=args.cache_dir, use_cache=not args.no_cache,
         classifier=args.classifier, classifier_weights=args.classifier_weights, bootstrap=args.bootstrap,
         save_samples=args.save_samples, head_usage_images=args.head_usage_images,
-        progress=not getattr(args, "quiet", False))
-    if not getattr(args, "quiet", False):
+        progress=args.log_level <= logging.INFO)
+    if args.log_level <= logging.INFO:
         print(table(result))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import zipfile
 from pathlib import Path
@@ -32,6 +33,7 @@ __all__ = ["CONFIG_FILE", "IMAGE_DIR", "NPZ_FILE", "class_labels_for", "generate
            "sample", "sample_images", "save_png", "to_uint8", "write_npz"]
 
 IMAGE_DIR, NPZ_FILE, CONFIG_FILE = "samples", "samples.npz", "sample_config.json"
+logger = logging.getLogger(__name__)
 RUN_CONFIG = "train_config.json"  # what marks a training run's folder
 
 
@@ -210,7 +212,8 @@ def sample(model: str | os.PathLike, output_dir: str | os.PathLike, *, num_sampl
         accelerator.wait_for_everyone()
         if npz and accelerator.is_main_process:
             labels = class_labels_for(range(num_samples), pipe.transformer.config.num_classes, class_labels, seed)
-            print(f"wrote {write_npz(output_dir, num_samples, labels)} ({num_samples} images, labels in arr_1)")
+            logger.info("wrote %s (%d images, their labels in arr_1)", write_npz(output_dir, num_samples, labels),
+                        num_samples)
     return config
 
 

@@ -60,8 +60,7 @@ def _bootstrap(pool: np.ndarray, reference, fid: float, resamples: int, seed: in
 def _cost(transformer, step_ratios: Sequence[float]) -> tuple[float, float, list[int]]:
     """(mean ideal head-sparse attention FLOPs of one forward pass, the dense ones, the last step's
     top-K per layer) at the realised ratio of every step."""
-    from ..models.flops import model_attention_flops
-    from ..models.head_activation import head_activation  # TODO: moh_dit.models.head_activation once exported
+    from ..models import head_activation, model_attention_flops
 
     counted = {}
     for ratio in set(step_ratios):
