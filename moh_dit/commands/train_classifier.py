@@ -20,8 +20,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="images are centre-cropped and resized to this (samples too)")
     parser.add_argument("--epochs", type=number_in(int, 1), default=4)
     parser.add_argument("--batch-size", type=number_in(int, 1, 65536), default=64)
-    parser.add_argument("--learning-rate", type=number_in(float, 0, float("inf"), open_interval=True), default=3e-3)
-    parser.add_argument("--width", type=number_in(int, 1, 1024), default=16, help="first stage's channels (then 2x, 4x)")
+    parser.add_argument("--learning-rate", type=number_in(float, 0, open_interval=True), default=3e-3)
+    parser.add_argument("--width", type=number_in(int, 1, 1024), default=16, help="channels of the first stage")
     parser.add_argument("--held-out-fraction", type=number_in(float, 0, 1, open_interval=True), default=0.1,
                         help="of each class, kept out of training")
     parser.add_argument("--seed", type=number_in(int, 0, 2**63 - 1), default=0)

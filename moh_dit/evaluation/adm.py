@@ -24,6 +24,8 @@ import torch
 from scipy.special import softmax, xlogy
 from torch import nn
 
+from ..data import load_image, scan_image_files
+
 ADM_SPLIT_SIZE = 5000  # Inception Score split size of ADM's evaluator
 ADM_K = 3  # neighbourhood size of ADM's precision/recall
 CACHE_ENV = "MOH_DIT_CACHE"
@@ -80,8 +82,6 @@ class _Decode(torch.utils.data.Dataset):
         return len(self.files)
 
     def __getitem__(self, i: int) -> np.ndarray | str:
-        from moh_dit.data import load_image
-
         try:  # a worker's exception reaches the user inside its traceback: hand back one line instead
             image = np.asarray(load_image(self.files[i]))
         except Exception as error:  # noqa: BLE001
@@ -90,9 +90,8 @@ class _Decode(torch.utils.data.Dataset):
 
 
 def _stack(items: list) -> torch.Tensor:
-    for item in items:
-        if isinstance(item, str):
-            raise ValueError(item)
+    if any(isinstance(item, str) for item in items):
+        raise ValueError(next(item for item in items if isinstance(item, str)))
     return torch.from_numpy(np.stack(items))
 
 
@@ -106,9 +105,7 @@ def open_images(images: Any, name: str = "images") -> Images:
         if path.is_dir():
             from PIL import Image
 
-            from moh_dit.data import scan_image_files  # the package's one folder scan
-
-            files = [Path(f) for f in scan_image_files(path)]
+            files = [Path(f) for f in scan_image_files(path)]  # the package's one folder scan
             if not files:
                 raise FileNotFoundError(errno.ENOENT, f"{name}: no images in the folder", str(path))
             with Image.open(files[0]) as first:
@@ -300,8 +297,8 @@ def _squared_distances(u: torch.Tensor, v: torch.Tensor, adm_float16: bool) -> t
 @torch.no_grad()
 def manifold_radii_squared(features: Any, k: int = ADM_K, *, batch_size: int = 4096,
                            device: torch.device | str | None = None, adm_float16: bool = True) -> torch.Tensor:
-    """Squared distance of each point to its k-th nearest neighbour other than itself (ADM's
-    ``manifold_radii``: position k of the sorted row, the self-distance 0 at position 0), in blocks."""
+    """Squared distance to the k-th nearest neighbour but itself (ADM's ``manifold_radii``: position k of
+    the sorted row, whose position 0 is the self-distance 0), in blocks."""
     x = torch.as_tensor(np.asarray(features), dtype=torch.float32, device=device)
     radii = torch.empty(len(x), device=x.device)
     for start in range(0, len(x), batch_size):
@@ -385,38 +382,31 @@ def _reference(opened: tuple[str, Images | None, dict], extractor: nn.Module, de
         if mu in stored and len(stored[mu]) != getattr(extractor, dim, len(stored[mu])):
             raise ValueError(f"reference {source}: {mu} has {len(stored[mu])} values, but the feature network "
                              f"gives {getattr(extractor, dim)}; the reference was made with another network")
-    arrays, cache_file, key = {}, None, json.dumps([images and images.fingerprint, identity])
+    features, cache_file, key = None, None, json.dumps([images and images.fingerprint, identity])
     if images is not None and use_cache:
         name = f"{Path(source).name}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.npz"
         cache_file = Path(cache_dir or reference_cache_dir()).expanduser() / name
         with contextlib.suppress(OSError, ValueError, KeyError), np.load(cache_file, allow_pickle=False) as archive:
             if str(archive["key"]) == key:  # else another input under the same name: recomputed
-                arrays = {name: archive[name] for name in archive.files if name != "key"}
-    from_cache = bool(arrays)
-    if images is not None and not arrays:
+                features = Features(archive["pool"], None, archive["spatial"] if "spatial" in archive else None)
+    from_cache = features is not None
+    if images is not None and features is None:
         features = extract_features(images, extractor, device=device, batch_size=batch_size, num_workers=num_workers)
-        arrays["pool_features"] = features.pool
-        if not stored:
-            pool = compute_statistics(features.pool)
-            arrays.update(mu=pool.mu, sigma=pool.sigma)
-            if features.spatial is not None:
-                spatial = compute_statistics(features.spatial)
-                arrays.update(mu_s=spatial.mu, sigma_s=spatial.sigma)
-                if len(features.spatial) <= features.spatial.shape[1]:  # kept for the cheaper route only
-                    arrays["spatial_features"] = features.spatial
+        features = Features(features.pool, None, None if stored else features.spatial)  # stored: FID/sFID from file
         if cache_file is not None:
             from ..outputs import atomic_write
 
             with atomic_write(cache_file) as f:
-                np.savez(f, **arrays, key=np.array(key))
+                spatial = {} if features.spatial is None else {"spatial": features.spatial}
+                np.savez(f, key=np.array(key), pool=features.pool, **spatial)
             logger.info("wrote the reference statistics cache %s", cache_file)
-    arrays.update(stored)
-    return Reference(
-        source=source, pool=FeatureStatistics(arrays["mu"], arrays["sigma"]),
-        spatial=FeatureStatistics(arrays["mu_s"], arrays["sigma_s"]) if "mu_s" in arrays else None,
-        features=None if images is None else Features(arrays["pool_features"], None, arrays.get("spatial_features")),
-        from_images=not stored, resolution=None if images is None else images.resolution, extractor=identity,
-        from_cache=from_cache)
+    if stored:
+        pool = FeatureStatistics(stored["mu"], stored["sigma"])
+        spatial = FeatureStatistics(stored["mu_s"], stored["sigma_s"]) if "mu_s" in stored else None
+    else:
+        pool = compute_statistics(features.pool)
+        spatial = None if features.spatial is None else compute_statistics(features.spatial)
+    return Reference(source, pool, spatial, features, not stored, images and images.resolution, identity, from_cache)
 
 
 def load_reference(reference: str | os.PathLike | Reference, extractor: nn.Module, *,
@@ -447,17 +437,16 @@ def fid_from_features(pool: np.ndarray, reference: Reference) -> float:
 def compute_metrics(features: Features, reference: Reference, *, split_size: int = ADM_SPLIT_SIZE, k: int = ADM_K,
                     device: torch.device | str | None = None) -> dict[str, float | None]:
     """FID, sFID, Inception Score, precision and recall; None where a side lacks what one needs."""
-    result = {"fid": fid_from_features(features.pool, reference), "sfid": None, "inception_score": None,
-              "precision": None, "recall": None}
+    sfid = precision = recall = score = None
     if reference.spatial is not None and features.spatial is not None:
-        result["sfid"] = _frechet(features.spatial, reference.spatial,
-                                  reference.features.spatial if reference.from_images else None)
+        reference_spatial = reference.features.spatial if reference.from_images else None
+        sfid = _frechet(features.spatial, reference.spatial, reference_spatial)
     if features.logits is not None:
-        result["inception_score"] = inception_score(softmax(features.logits.astype(np.float64), axis=1), split_size)
+        score = inception_score(softmax(features.logits.astype(np.float64), axis=1), split_size)
     if reference.features is not None:
-        result["precision"], result["recall"] = precision_recall(reference.features.pool, features.pool, k,
-                                                                 device=device)
-    return result
+        precision, recall = precision_recall(reference.features.pool, features.pool, k, device=device)
+    return {"fid": fid_from_features(features.pool, reference), "sfid": sfid, "inception_score": score,
+            "precision": precision, "recall": recall}
 
 
 def evaluate(samples: Any, reference: str | os.PathLike | Reference, *, extractor: nn.Module | None = None,
@@ -473,15 +462,11 @@ def evaluate(samples: Any, reference: str | os.PathLike | Reference, *, extracto
     from . import classes, inception
 
     images = open_images(samples, "samples")
-    if isinstance(reference, Reference):
-        opened, ref_resolution = None, reference.resolution
-    else:
-        opened = _open_reference(reference)
-        ref_resolution = None if opened[1] is None else opened[1].resolution
+    opened = None if isinstance(reference, Reference) else _open_reference(reference)
+    ref_resolution = getattr(reference if opened is None else opened[1], "resolution", None)
     if ref_resolution not in (None, images.resolution) and not allow_resolution_mismatch:
-        raise ValueError(f"the samples are {images.resolution} px but the reference is {ref_resolution} px, which "
-                         "makes FID measure the resizing; allow_resolution_mismatch (--allow-resolution-mismatch) "
-                         "evaluates anyway")
+        raise ValueError(f"the samples are {images.resolution} px but the reference is {ref_resolution} px: FID would "
+                         "measure the resizing (allow_resolution_mismatch, --allow-resolution-mismatch, allows it)")
     meter = None if classifier is None else classes.ClassAccuracyMeter(classifier, labels, class_map, images.count)
     if extractor is None:
         extractor = (inception.build_random_inception(random_inception_seed) if random_inception_seed is not None

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data import find_image_folder, load_image
 from ..outputs import output_folder, write_json
 
 
@@ -77,8 +78,6 @@ def _split(samples: list[tuple[str, int]], num_classes: int, fraction: float, se
 
 
 def _load(items: list[tuple[str, int]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from moh_dit.data import load_image
-
     images = [resize_square(torch.from_numpy(np.array(load_image(path))).permute(2, 0, 1)[None].float() / 255.0, size)
               for path, _ in items]
     x = torch.cat(images) if images else torch.empty(0, 3, size, size)  # (N, 3, size, size) in [0, 1]
@@ -124,8 +123,6 @@ def train_classifier(data_dir: str | os.PathLike, output_dir: str | os.PathLike,
     ``held_out_fraction`` of each class is kept out; the accuracy on it is recorded."""
     from safetensors.torch import save_file
 
-    from moh_dit.data import find_image_folder
-
     classes, _, samples = find_image_folder(data_dir)  # classes: the sorted folder names, as training takes them
     with output_folder(output_dir, "train-classifier", overwrite=overwrite, inputs={"data_dir": data_dir},
                        publish=True) as tmp:
@@ -141,8 +138,7 @@ def train_classifier(data_dir: str | os.PathLike, output_dir: str | os.PathLike,
         record = {"architecture": "SmallCNN", "classes": classes, "width": width, "image_size": image_size,
                   "held_out": {"count": len(held_items), "accuracy": correct.float().mean().item() if len(correct)
                                else None, "per_class": per_class},
-                  "train": {"count": len(train_items), "epochs": epochs, "batch_size": batch_size,
-                            "learning_rate": learning_rate, "held_out_fraction": held_out_fraction, "seed": seed}}
+                  "train": {"count": len(train_items), "epochs": epochs, "learning_rate": learning_rate, "seed": seed}}
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp / "model.safetensors")
         write_json(tmp / "classifier.json", record)
     return record

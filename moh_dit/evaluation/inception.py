@@ -83,8 +83,7 @@ class TFInceptionV3Features(nn.Module):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "TFInceptionV3Features":
-        """torch-fidelity's weights file (or one of :func:`save_random_inception_weights`), read with
-        ``weights_only=True``."""
+        """torch-fidelity's weights file (or :func:`save_random_inception_weights`'), ``weights_only``."""
         path = Path(path)
         sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
         state_dict = torch.load(path, map_location="cpu", weights_only=True)
@@ -134,12 +133,9 @@ def load_inception(inception_weights: str | os.PathLike | None = None, *, downlo
 
 
 def random_inception_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded random weights in torch-fidelity's layout, for offline tests and demos.
-
-    Convolutions are Kaiming-normal (std sqrt(2 / fan_in)): with PyTorch's default init pool_3
-    collapses to nearly constant features (FID ~ 1e-13 between unrelated image sets). Batch
-    norms are identities. One seeded CPU generator: the same seed gives the same weights anywhere.
-    """
+    """Seeded random weights in torch-fidelity's layout, the same anywhere, for offline tests and demos.
+    Convolutions are Kaiming-normal: with PyTorch's default init pool_3 collapses to nearly constant
+    features (FID ~ 1e-13 between unrelated image sets). Batch norms are identities."""
     from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
     class Unloaded(FeatureExtractorInceptionV3):
