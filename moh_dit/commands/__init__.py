@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -93,6 +94,8 @@ def run(name: str, argv: list[str] | None = None) -> int:
     logger.addHandler(handler)
     logger.setLevel(args.log_level)
     logger.propagate = False
+    if args.log_level > logging.INFO:  # --quiet: no progress bars either (read when tqdm is imported)
+        os.environ.update(TQDM_DISABLE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
     try:
         _module(name).main(args)
     except KeyboardInterrupt:
