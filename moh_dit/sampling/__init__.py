@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
@@ -84,13 +85,14 @@ def load_pipeline(path: str | os.PathLike, vae: str | None = None, scheduler: st
     return pipe
 
 
-def class_labels_for(indices: Sequence[int], num_classes: int, mode: str = "balanced", seed: int = 0) -> list[int]:
-    """The class of each image index: ``"balanced"``, ``i mod num_classes`` (50k images give 50 per
-    ImageNet class, and so does every block of ``num_classes``); ``"uniform"``, a draw from
+def class_labels_for(indices: Sequence[int], num_classes: int, mode: str = "balanced", seed: int = 0) -> np.ndarray:
+    """The class of each image index (int64): ``"balanced"``, ``i mod num_classes`` (50k images give
+    50 per ImageNet class, and so does every block of ``num_classes``); ``"uniform"``, a draw from
     ``numpy.random.default_rng([seed, i])`` (DiT's sample_ddp.py draws labels uniformly)."""
+    indices = np.asarray(indices, dtype=np.int64)
     if mode == "balanced":
-        return [int(i) % num_classes for i in indices]
-    return [int(np.random.default_rng([seed, int(i)]).integers(num_classes)) for i in indices]
+        return indices % num_classes
+    return np.array([np.random.default_rng([seed, i]).integers(num_classes) for i in indices.tolist()], np.int64)
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -108,7 +110,7 @@ def generate(pipe, indices: Sequence[int], *, guidance_scale: float = 1.5, guida
              class_labels: str = "balanced"):
     """uint8 (B, H, W, C) images of run indices ``indices`` and the pipeline's output (for its realised
     head activation). Latents are decoded here so that the quantisation is exactly DiT's."""
-    labels = class_labels_for(indices, pipe.transformer.config.num_classes, class_labels, seed)
+    labels = class_labels_for(indices, pipe.transformer.config.num_classes, class_labels, seed).tolist()
     out = pipe(labels, guidance_scale=guidance_scale, guidance_channels=guidance_channels,
                num_inference_steps=num_inference_steps, head_activation_ratio=head_activation_ratio,
                seeds=[seed + i for i in indices], output_type="latent", output_head_usage=False)
@@ -131,15 +133,17 @@ def sample_images(pipe, output_dir: str | os.PathLike, num_samples: int, *, batc
 
     folder = Path(output_dir) / IMAGE_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    done = {int(p.stem) for p in folder.glob("*.png") if p.stem.isdigit()}  # one listing of the folder
-    todo = [i for i in range(rank, num_samples, world_size) if i not in done]
+    mine = range(rank, num_samples, world_size)
+    done = {i for i in (int(p.stem) for p in folder.glob("*.png") if p.stem.isdigit()) if i in mine}  # one listing
+    todo = (i for i in mine if i not in done)  # lazy: memory grows with the PNGs that exist, not num_samples
     pipe.set_progress_bar_config(disable=True)
-    for start in tqdm(range(0, len(todo), batch_size), disable=not progress, desc=f"sampling (rank {rank})"):
-        batch = todo[start:start + batch_size]
-        images, _ = generate(pipe, batch, **settings)
-        for index, image in zip(batch, images):
-            save_png(png_path(output_dir, index), image)
-    return len(todo)
+    with tqdm(total=len(mine) - len(done), disable=not progress, desc=f"sampling (rank {rank})") as bar:
+        for batch in iter(lambda: list(itertools.islice(todo, batch_size)), []):
+            images, _ = generate(pipe, batch, **settings)
+            for index, image in zip(batch, images):
+                save_png(png_path(output_dir, index), image)
+            bar.update(len(batch))
+    return len(mine) - len(done)
 
 
 def write_npz(output_dir: str | os.PathLike, num_samples: int, labels: Sequence[int] | None = None) -> Path:
@@ -211,7 +215,7 @@ def sample(model: str | os.PathLike, output_dir: str | os.PathLike, *, num_sampl
                       **settings)
         accelerator.wait_for_everyone()
         if npz and accelerator.is_main_process:
-            labels = class_labels_for(range(num_samples), pipe.transformer.config.num_classes, class_labels, seed)
+            labels = class_labels_for(np.arange(num_samples), pipe.transformer.config.num_classes, class_labels, seed)
             logger.info("wrote %s (%d images, their labels in arr_1)", write_npz(output_dir, num_samples, labels),
                         num_samples)
     return config

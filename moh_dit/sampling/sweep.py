@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..outputs import atomic_write, output_folder, write_bytes, write_json
-from . import generate, load_pipeline, png_path, save_png
+from . import class_labels_for, generate, load_pipeline, png_path, save_png
 
 __all__ = ["CSV_FILE", "DEFAULT_RATIOS", "JSON_FILE", "PLOT_FILE", "plot_sweep", "sweep", "table", "wilson_interval"]
 
@@ -142,7 +142,7 @@ def sweep(model, ratios: Sequence[float | str] = DEFAULT_RATIOS, *, reference, o
 
             meter = None
             if classifier is not None:
-                labels = [i % transformer.config.num_classes for i in range(num_samples)]
+                labels = class_labels_for(np.arange(num_samples), transformer.config.num_classes)
                 meter = ClassAccuracyMeter(classifier, labels, None, num_samples)
             features = extract_features(batches(), extractor,
                                         device=device, batch_size=eval_batch_size,
