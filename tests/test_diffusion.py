@@ -7,13 +7,8 @@ from diffusers import DDPMScheduler
 from scipy import integrate
 from scipy.stats import norm
 
-from moh_dit.diffusion.gaussian_diffusion import (
-    GaussianDiffusion,
-    create_diffusion,
-    discretized_gaussian_log_likelihood,
-    normal_kl,
-    space_timesteps,
-)
+from moh_dit.diffusion import GaussianDiffusion, create_diffusion, make_scheduler, space_timesteps
+from moh_dit.diffusion.gaussian_diffusion import discretized_gaussian_log_likelihood, normal_kl
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +72,15 @@ def test_posterior_matches_brute_force_density_product(diffusion):
 
 
 def test_learned_range_endpoints(diffusion):
+    """IDDPM's Eq. 15: v = 1 gives log beta_t, v = -1 the clipped log beta~_t, v = 0 their mean."""
     t = torch.tensor([0, 1, 250, 999])
     post = diffusion.table("posterior_variance")
-    for v, expected in ((1.0, diffusion.betas[t]), (-1.0, torch.cat([post[1:2], post[t[1:]]]))):
-        values = torch.full((4, 3, 2, 2), v, dtype=torch.float64)
-        log_var = diffusion.learned_range_log_variance(values, t)
-        torch.testing.assert_close(log_var, expected.log().reshape(4, 1, 1, 1).expand(4, 3, 2, 2))
-    mid = diffusion.learned_range_log_variance(torch.zeros(4, 1, dtype=torch.float64), t)
     lo = diffusion.table("posterior_log_variance_clipped")[t]
-    torch.testing.assert_close(mid[:, 0], 0.5 * (diffusion.betas[t].log() + lo))
+    for v, expected in ((1.0, diffusion.betas[t].log()), (-1.0, torch.cat([post[1:2], post[t[1:]]]).log()),
+                        (0.0, 0.5 * (diffusion.betas[t].log() + lo))):
+        out = torch.cat([torch.zeros(4, 3, 2, 2), torch.full((4, 3, 2, 2), v)], 1).double()
+        log_var = diffusion.p_mean_variance(out, torch.zeros(4, 3, 2, 2, dtype=torch.float64), t)["log_variance"]
+        torch.testing.assert_close(log_var, expected.reshape(4, 1, 1, 1).expand(4, 3, 2, 2))
 
 
 def test_normal_kl_closed_form_and_quadrature():
@@ -109,8 +104,6 @@ def test_discretized_log_likelihood_against_scipy():
     upper = norm.cdf((xn + 1 / 255 - mn) / s)
     lower = norm.cdf((xn - 1 / 255 - mn) / s)
     expected = np.log(np.maximum(np.where(xn < -0.999, upper, np.where(xn > 0.999, 1 - lower, upper - lower)), 1e-12))
-    exact = discretized_gaussian_log_likelihood(x, means, log_scales, exact=True)
-    np.testing.assert_allclose(exact.numpy(), expected, rtol=1e-9, atol=1e-9)
     # DiT's tanh CDF approximation: CDF errors < 2e-4, so compare probabilities, not logs.
     approx = discretized_gaussian_log_likelihood(x, means, log_scales)
     np.testing.assert_allclose(approx.exp().numpy(), np.exp(expected), atol=5e-4)
@@ -174,10 +167,6 @@ def test_training_losses_shapes_dtypes_and_mse(diffusion):
         assert value.shape == (5,) and value.dtype == torch.float32 and torch.isfinite(value).all()
     torch.testing.assert_close(terms["mse"], ((noise - out[:, :4].float()) ** 2).mean(dim=(1, 2, 3)))
     torch.testing.assert_close(terms["loss"], terms["mse"] + terms["vb"])
-    with pytest.raises(ValueError, match="2C|eps and variance"):
-        diffusion.training_losses(out[:, :4], x0, xt, t, noise)
-    with pytest.raises(ValueError, match="one timestep per sample"):
-        diffusion.training_losses(out, x0, xt, t[:3], noise)
 
 
 def test_vb_gives_no_gradient_to_eps_half(diffusion):
@@ -238,42 +227,12 @@ def test_p_sample_matches_diffusers_ddpm_learned_range(diffusion):
         assert int(spaced.timestep_map[i]) == k
 
 
-def test_constructors_validate():
-    custom = GaussianDiffusion.from_betas(np.linspace(1e-4, 0.02, 1000))
+def test_make_scheduler_is_the_training_schedule():
+    for kind in ("ddpm", "ddim", "dpm"):
+        np.testing.assert_allclose(make_scheduler(kind).betas.double().numpy(), GaussianDiffusion().betas, rtol=1e-6)
+    custom = GaussianDiffusion(np.linspace(1e-4, 0.02, 1000))
     torch.testing.assert_close(custom.alphas_cumprod, GaussianDiffusion().alphas_cumprod, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="betas must lie"):
-        GaussianDiffusion.from_betas([0.1, 1.5])
-    with pytest.raises(ValueError, match="beta_start"):
-        GaussianDiffusion(10, beta_start=0.5, beta_end=0.1)
-
-
-def test_make_scheduler_is_the_training_schedule_and_checks_the_variance_channels(diffusion):
-    """The pipeline's schedulers share the training betas; only DDPM's step reads the variance
-    channels (by class, not by a variance_type key carried over by from_config), and every pairing
-    that would misread them is refused with the fix."""
-    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
-
-    from moh_dit.diffusion.schedulers import SCHEDULERS, eps_only_config, make_scheduler, scheduler_takes_variance
-
-    for kind in SCHEDULERS:
-        np.testing.assert_allclose(make_scheduler(kind).betas.double().numpy(), diffusion.betas, rtol=1e-6)
-    ddpm = make_scheduler("ddpm")
-    assert scheduler_takes_variance(ddpm, learns_sigma=True)
-    assert not scheduler_takes_variance(make_scheduler("ddim"), learns_sigma=True)
-    assert not scheduler_takes_variance(DDIMScheduler.from_config(ddpm.config), learns_sigma=True)  # stale key
-    assert not scheduler_takes_variance(DDPMScheduler.from_config(ddpm.config, variance_type="fixed_small"), False)
-    with pytest.raises(ValueError, match="log variance.*learned_range"):
-        scheduler_takes_variance(DDPMScheduler.from_config(ddpm.config, variance_type="learned"), True)
-    with pytest.raises(ValueError, match="does not learn sigma.*fixed_small"):
-        scheduler_takes_variance(ddpm, learns_sigma=False)
-    dpm = DPMSolverMultistepScheduler.from_config(ddpm.config)
-    assert not scheduler_takes_variance(dpm, True) and dpm.config.variance_type == "learned_range"
-    with eps_only_config(dpm, takes_variance=False):
-        assert dpm.config.variance_type is None  # DPM-Solver would cut the eps to 3 channels
-    assert dpm.config.variance_type == "learned_range"
-    with pytest.raises(ValueError, match="no x0 clipping"):
-        make_scheduler("dpm", clip_sample=True)
-    with pytest.raises(ValueError, match=r"Unknown scheduler kind 'euler'.*\('ddpm', 'ddim', 'dpm'\)"):
+    with pytest.raises(ValueError):
         make_scheduler("euler")
 
 
@@ -309,8 +268,6 @@ def test_ddim_is_dits_ddim(count):
     960, ..., 0; a linspace spacing would take 999, 979, ... and DDIM would then step each t to
     t - T // n, off the list) and equals the independent DDIM above. At 7 steps IDDPM's rule takes
     stride 143 but diffusers' DDIM can only step by 1000 // 7 = 142: the same sampler on that stride."""
-    from moh_dit.diffusion.schedulers import make_scheduler
-
     scheduler = make_scheduler("ddim")
     scheduler.set_timesteps(count)
     timesteps = scheduler.timesteps.tolist()
@@ -331,8 +288,6 @@ def test_make_scheduler_steps_through_its_own_timesteps(kind, count):
     """Each step of every make_scheduler sampler lands on the next timestep of its list: given the
     exact eps of x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps, a deterministic step reaches x at the next
     kept timestep (x0 after the last); DDPM's previous timestep is the next one in its list."""
-    from moh_dit.diffusion.schedulers import make_scheduler
-
     scheduler = make_scheduler(kind)
     scheduler.set_timesteps(count)
     timesteps = scheduler.timesteps.tolist()
