@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import errno
+import functools
 import importlib.util
 import json
 import logging
@@ -182,7 +182,8 @@ def train(cfg: TrainConfig) -> Path:
         space = _LatentSpace(cfg, data.dataset, acc.device)
         model = _build_model(cfg, space.shape, data.dataset.classes, record)
         parts, model = _build_optimisation(cfg, acc, model, data.sampler)
-        flops_per_image, peak = _flops_per_image(parts.ema, space.shape), _peak_flops(acc.device, cfg)
+        flops_per_image = _flops_per_image(parts.ema, space.shape)
+        peak = _peak_flops(acc.device, cfg.mixed_precision in ("fp16", "bf16"), cfg.allow_tf32)
 
         # Resume: the checkpoint's state, then the record of this start and the logs cut to its step.
         checkpoints = Checkpoint(out)
@@ -423,29 +424,35 @@ def _build_optimisation(cfg: TrainConfig, acc, model, sampler) -> tuple[_Parts, 
 
 def _flops_per_image(model, shape) -> int:
     """FLOPs of one training step per image: 3 x the forward (the backward costs two), counted
-    by torch on one training forward of zeros (which draws nothing random)."""
+    by torch on one forward of zeros (which draws nothing random), once per architecture."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    device = next(model.parameters()).device
-    x, t = torch.zeros(1, *shape, device=device), torch.zeros(1, dtype=torch.long, device=device)
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
-        model(x, t, t, force_drop_ids=torch.zeros(1, dtype=torch.bool, device=device))
-    return 3 * counter.get_total_flops()
+    key = json.dumps([_model_config(model), shape])
+    if key not in _FLOPS:
+        device = next(model.parameters()).device
+        x, t = torch.zeros(1, *shape, device=device), torch.zeros(1, dtype=torch.long, device=device)
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(x, t, t, force_drop_ids=torch.zeros(1, dtype=torch.bool, device=device))
+        _FLOPS[key] = 3 * counter.get_total_flops()
+    return _FLOPS[key]
 
 
-def _peak_flops(device: torch.device, cfg: TrainConfig) -> float:
+_FLOPS: dict[str, int] = {}
+
+
+@functools.lru_cache
+def _peak_flops(device: torch.device, half: bool, tf32: bool) -> float:
     """One device's peak FLOP/s: a known GPU's datasheet figure, else a timed matmul."""
-    half = cfg.mixed_precision in ("fp16", "bf16")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, peaks in GPU_PEAK_TFLOPS.items():
             if key in name:
-                return peaks[0 if half else 1 if cfg.allow_tf32 else 2] * 1e12
+                return peaks[0 if half else 1 if tf32 else 2] * 1e12
     size, dtype = (1024, torch.float32) if device.type == "cpu" else (8192, torch.bfloat16 if half else torch.float32)
     generator = torch.Generator(device).manual_seed(0)  # not the global stream that training draws from
     a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
     best = math.inf
-    for _ in range(4):
+    for _ in range(3):
         begin = time.perf_counter()
         (a @ a).sum().item()
         best = min(best, time.perf_counter() - begin)
