@@ -25,6 +25,7 @@ from scipy.special import softmax, xlogy
 from torch import nn
 
 from ..data import load_image, scan_image_files
+from ..outputs import atomic_write
 
 ADM_SPLIT_SIZE = 5000  # Inception Score split size of ADM's evaluator
 ADM_K = 3  # neighbourhood size of ADM's precision/recall
@@ -394,8 +395,6 @@ def _reference(opened: tuple[str, Images | None, dict], extractor: nn.Module, de
         features = extract_features(images, extractor, device=device, batch_size=batch_size, num_workers=num_workers)
         features = Features(features.pool, None, None if stored else features.spatial)  # stored: FID/sFID from file
         if cache_file is not None:
-            from ..outputs import atomic_write
-
             with atomic_write(cache_file) as f:
                 spatial = {} if features.spatial is None else {"spatial": features.spatial}
                 np.savez(f, key=np.array(key), pool=features.pool, **spatial)
