@@ -1,3 +1,7 @@
+"""`moh-dit convert` from a clone: ``python scripts/convert_checkpoint.py --help``."""
 import sys
+
 from moh_dit.commands import main
-sys.exit(main(["convert", *sys.argv[1:]]))
+
+if __name__ == "__main__":
+    sys.exit(main(["convert", *sys.argv[1:]]))

@@ -1,3 +1,7 @@
+"""`moh-dit export` from a clone: ``python scripts/export_pipeline.py --help``."""
 import sys
+
 from moh_dit.commands import main
-sys.exit(main(["export", *sys.argv[1:]]))
+
+if __name__ == "__main__":
+    sys.exit(main(["export", *sys.argv[1:]]))

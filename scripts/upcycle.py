@@ -1,3 +1,7 @@
+"""`moh-dit upcycle` from a clone: ``python scripts/upcycle.py --help``."""
 import sys
+
 from moh_dit.commands import main
-sys.exit(main(["upcycle", *sys.argv[1:]]))
+
+if __name__ == "__main__":
+    sys.exit(main(["upcycle", *sys.argv[1:]]))

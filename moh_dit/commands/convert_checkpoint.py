@@ -52,15 +52,3 @@ def main(args: argparse.Namespace) -> None:
                                allow_divergent_embeddings=args.allow_divergent_embeddings)
     print(f"wrote {args.preset} ({sum(p.numel() for p in model.parameters()):,} parameters) to {args.output_dir}")
 
-
-def cli(argv=None) -> int:  # TEMPORARY: until the dispatcher builds the parser itself
-    import sys
-
-    parser = argparse.ArgumentParser(prog="moh-dit convert", description=DESCRIPTION)
-    build_parser(parser)
-    try:
-        main(parser.parse_args(argv))
-    except Exception as error:  # noqa: BLE001
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0

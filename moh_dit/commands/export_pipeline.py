@@ -45,15 +45,3 @@ def main(args: argparse.Namespace) -> None:
     print(f"wrote {folder}: DiffusionPipeline.from_pretrained({str(folder)!r}, trust_remote_code=True) loads it"
           + (f"; pushed to https://huggingface.co/{args.push_to_hub}" if args.push_to_hub else ""))
 
-
-def cli(argv=None) -> int:  # TEMPORARY: until the dispatcher builds the parser itself
-    import sys
-
-    parser = argparse.ArgumentParser(prog="moh-dit export", description=DESCRIPTION)
-    build_parser(parser)
-    try:
-        main(parser.parse_args(argv))
-    except Exception as error:  # noqa: BLE001
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0

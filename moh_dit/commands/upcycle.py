@@ -69,15 +69,3 @@ def main(args: argparse.Namespace) -> None:
     print(report.table())
     print(f"wrote {args.output_dir}: its config.json holds the layout; continue with moh-dit train --init-from")
 
-
-def cli(argv=None) -> int:  # TEMPORARY: until the dispatcher builds the parser itself
-    import sys
-
-    parser = argparse.ArgumentParser(prog="moh-dit upcycle", description=DESCRIPTION)
-    build_parser(parser)
-    try:
-        main(parser.parse_args(argv))
-    except Exception as error:  # noqa: BLE001
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
