@@ -210,3 +210,27 @@ def test_the_command_samples_and_dry_runs(tmp_path, model_dir, capsys):
     command.main(parse(base + ["--output", tmp_path / "out", "--no-npz", "--dtype", "bfloat16"]))
     assert sorted(p.name for p in (tmp_path / "out" / "samples").iterdir()) == ["000000.png", "000001.png"]
     assert json.loads((tmp_path / "out" / CONFIG_FILE).read_text())["dtype"] == "torch.bfloat16"
+
+
+@pytest.mark.slow
+def test_two_processes_make_the_images_of_one(tmp_path, model_dir):
+    """scripts/sample.py under torchrun (two processes, gloo on CPU): rank 0 takes the folder, both
+    sample their indices, rank 0 writes the npz; the same file as one process. (Batch size 1 on both
+    sides: float32 results of other batch sizes may differ in the last bit, see sampling_pipe.)"""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sample.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1")
+    env.pop("WORLD_SIZE", None)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
+                    "--model", model_dir, "--output", tmp_path / "two", "--num-samples", "5", "--num-inference-steps",
+                    "2", "--per-device-batch-size", "1", "-q"], env=env, check=True, timeout=300)
+    sample(model_dir, tmp_path / "one", num_samples=5, batch_size=1, num_inference_steps=2, progress=False)
+    with np.load(tmp_path / "two" / "samples.npz") as two, np.load(tmp_path / "one" / "samples.npz") as one:
+        assert two.files == one.files == ["arr_0", "arr_1"]
+        for key in one.files:
+            np.testing.assert_array_equal(two[key], one[key])
+    assert (tmp_path / "two" / CONFIG_FILE).read_text() == (tmp_path / "one" / CONFIG_FILE).read_text()
