@@ -187,23 +187,23 @@ def sample(model: str | os.PathLike, output_dir: str | os.PathLike, *, num_sampl
     from accelerate import Accelerator
 
     accelerator = Accelerator()
-    pipe = load_pipeline(model, vae=vae, scheduler=scheduler, clip_sample=clip_sample, dtype=dtype)
-    settings = dict(guidance_scale=guidance_scale, guidance_channels=guidance_channels,
-                    num_inference_steps=num_inference_steps, head_activation_ratio=head_activation_ratio,
-                    seed=seed, class_labels=class_labels)
-    scheduler_config = {k: v for k, v in json.loads(pipe.scheduler.to_json_string()).items() if k[0] != "_"}
-    config = {**settings, "model": str(Path(model).resolve()), "vae": vae, "dtype": str(pipe.transformer.dtype),
-              "scheduler": {"_class_name": type(pipe.scheduler).__name__, **scheduler_config}}
-    if dry_run:
-        if accelerator.is_main_process:
-            print(json.dumps(config, indent=2))
-        return config
     inputs = {"model": model, "vae": vae if vae is not None and Path(vae).exists() else None}
     held = contextlib.nullcontext()
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and not dry_run:  # the folder first: a refused one costs no loading
         held = output_folder(output_dir, "sample", overwrite=overwrite, resume=not overwrite, inputs=inputs,
                              setup=(CONFIG_FILE,))
     with held:
+        pipe = load_pipeline(model, vae=vae, scheduler=scheduler, clip_sample=clip_sample, dtype=dtype)
+        settings = dict(guidance_scale=guidance_scale, guidance_channels=guidance_channels,
+                        num_inference_steps=num_inference_steps, head_activation_ratio=head_activation_ratio,
+                        seed=seed, class_labels=class_labels)
+        scheduler_config = {k: v for k, v in json.loads(pipe.scheduler.to_json_string()).items() if k[0] != "_"}
+        config = {**settings, "model": str(Path(model).resolve()), "vae": vae, "dtype": str(pipe.transformer.dtype),
+                  "scheduler": {"_class_name": type(pipe.scheduler).__name__, **scheduler_config}}
+        if dry_run:
+            if accelerator.is_main_process:
+                print(json.dumps(config, indent=2))
+            return config
         if accelerator.is_main_process:
             _check_config(Path(output_dir), config)
         accelerator.wait_for_everyone()
@@ -226,7 +226,8 @@ def _check_config(output_dir: Path, config: dict) -> None:
     path = output_dir / CONFIG_FILE
     if path.is_file() and any((output_dir / IMAGE_DIR).glob("*.png")):
         before = read_json(path)
-        changed = sorted(k for k in set(before) | set(config) if before.get(k) != json.loads(json.dumps(config)).get(k))
+        config = json.loads(json.dumps(config))  # as JSON stores it (tuples as lists)
+        changed = sorted(k for k in set(before) | set(config) if before.get(k) != config.get(k))
         if changed:
             raise ValueError(f"{output_dir} holds samples made with other settings ({', '.join(changed)} differ, "
                              f"see {path}); sample into a new folder")
