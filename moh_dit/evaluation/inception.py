@@ -118,7 +118,7 @@ def resolve_inception_weights(inception_weights: str | os.PathLike | None = None
 def _download_weights(destination: Path, timeout: float) -> None:
     """Download the published weights; a file whose SHA-256 is not theirs never reaches ``destination``."""
     digest = hashlib.sha256()
-    with atomic_write(destination) as out, urllib.request.urlopen(INCEPTION_WEIGHTS_URL, timeout=timeout) as response:
+    with urllib.request.urlopen(INCEPTION_WEIGHTS_URL, timeout=timeout) as response, atomic_write(destination) as out:
         for chunk in iter(lambda: response.read(1 << 20), b""):
             out.write(chunk)
             digest.update(chunk)
