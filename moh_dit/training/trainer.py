@@ -175,19 +175,21 @@ def train(cfg: TrainConfig) -> Path:
         acc.wait_for_everyone()  # the folder is the main process's before any process reads it
         # Set up: data, latent space, model, EMA, optimiser (the order of random draws is the run's).
         record = read_json(out / RUN_RECORD) if cfg.resume and (out / RUN_RECORD).is_file() else None
+        if record is not None and cfg.init_from is None:  # a run started from weights keeps their origin
+            cfg = dataclasses.replace(cfg, init_from=record["init_from"])
+        checkpoints = Checkpoint(out)
+        start = checkpoints.find(cfg.resume) if cfg.resume else None
         if acc.device.type == "cuda":
             torch.set_float32_matmul_precision("high" if cfg.allow_tf32 else "highest")
         set_seed(cfg.seed, device_specific=True)
         data = _Data(cfg, acc)
         space = _LatentSpace(cfg, data.dataset, acc.device)
-        model = _build_model(cfg, space.shape, data.dataset.classes, record)
+        model = _build_model(cfg, space.shape, data.dataset.classes, record, init_weights=start is None)
         parts, model = _build_optimisation(cfg, acc, model, data.sampler)
         flops_per_image = _flops_per_image(parts.ema, space.shape)
         peak = _peak_flops(acc.device, cfg.mixed_precision in ("fp16", "bf16"), cfg.allow_tf32)
 
         # Resume: the checkpoint's state, then the record of this start and the logs cut to its step.
-        checkpoints = Checkpoint(out)
-        start = checkpoints.find(cfg.resume) if cfg.resume else None
         if start is not None:
             parts.load(checkpoints.load(start, acc, parts.model, parts.ema, parts.optimizer), cfg)
             if acc.is_main_process:
@@ -320,8 +322,10 @@ def _per_layer(config: dict) -> dict:
             for k, v in config.items() if k not in ("class_names", "class_dropout_prob")}
 
 
-def _build_model(cfg: TrainConfig, shape: tuple[int, int, int], classes: list[str], record: dict | None):
-    """The preset's model (else the resumed run's, else the init_from folder's) for this data."""
+def _build_model(cfg: TrainConfig, shape: tuple[int, int, int], classes: list[str], record: dict | None,
+                 init_weights: bool):
+    """The preset's model (else the resumed run's, else the init_from folder's) for this data, with
+    the init_from weights when the run starts without a checkpoint."""
     from ..models import MoHDiTTransformer2DModel
 
     init = None if cfg.init_from is None else Path(cfg.init_from)
@@ -331,8 +335,10 @@ def _build_model(cfg: TrainConfig, shape: tuple[int, int, int], classes: list[st
         architecture = PRESETS[cfg.preset]
     elif record is not None:
         architecture = record["model_config"]
-    else:
+    elif init is not None:
         architecture = MoHDiTTransformer2DModel.load_config(init)
+    else:
+        raise ValueError(f"preset is required: {cfg.output_dir} holds no run to resume")
     model = MoHDiTTransformer2DModel.from_config({
         **architecture, **cfg.model_overrides, "sample_size": shape[1], "in_channels": shape[0],
         "num_classes": len(classes), "class_dropout_prob": cfg.class_dropout, "class_names": list(classes)})
@@ -344,7 +350,7 @@ def _build_model(cfg: TrainConfig, shape: tuple[int, int, int], classes: list[st
                  if theirs.get(k) != ours.get(k)]
         raise ValueError(f"the model differs from the run's in {cfg.output_dir}: {'; '.join(diffs)}; resume with the "
                          "run's preset, image size and data, or start a new run in another output_dir")
-    if init is not None and (record is None or cfg.resume is None):
+    if init is not None and init_weights:
         source = MoHDiTTransformer2DModel.from_pretrained(init)
         theirs, ours = _per_layer(_model_config(source)), _per_layer(_model_config(model))
         if theirs != ours:
