@@ -86,7 +86,8 @@ def test_the_folder_holds_the_package_code_as_it_is(exported):
         _code_file(MoHDiTTransformer2DModel).read_bytes()
     weights = sorted(p.relative_to(exported).as_posix() for p in exported.rglob("*")
                      if p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl"))
-    assert weights == [f"{m}/diffusion_pytorch_model{v}.safetensors" for m in ("transformer", "vae") for v in (".bf16", "")]
+    assert weights == [f"{m}/diffusion_pytorch_model{v}.safetensors" for m in ("transformer", "vae")
+                       for v in (".bf16", "")]
     for name in ("transformer", "vae"):
         full = safetensors.torch.load_file(exported / name / "diffusion_pytorch_model.safetensors")
         half = safetensors.torch.load_file(exported / name / "diffusion_pytorch_model.bf16.safetensors")

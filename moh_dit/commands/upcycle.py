@@ -17,10 +17,9 @@ DESCRIPTION = "turn a dense DiT into a MoH-DiT (head importance, head choice, we
 
 
 def _activation(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:  # also refuses nan
+    if not 0 < float(text) <= 1:  # also refuses nan
         raise argparse.ArgumentTypeError(f"{text}: give a head activation in (0, 1]")
-    return value
+    return float(text)
 
 
 def _per_layer(text: str) -> int | list[int]:
@@ -30,37 +29,33 @@ def _per_layer(text: str) -> int | list[int]:
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True,
-                        help="the dense model: a model or pipeline folder, or anything moh-dit convert reads")
-    parser.add_argument("--output-dir", "--output_dir", "--output", dest="output_dir", required=True,
-                        help="the model folder to write (built aside and renamed into place)")
-    parser.add_argument("--preset", default=None, help="the dense DiT preset of a checkpoint that is not a model folder")
-    parser.add_argument("--activation", type=_activation, default=None,
-                        help="head activation: an upcycled preset's layout where one fits, else the upcycling rule's")
-    parser.add_argument("--shared-heads", type=_per_layer, default=None, help="shared heads: one number or one per layer")
-    parser.add_argument("--top-k", type=_per_layer, default=None, help="routed top-K: one number or one per layer")
-    parser.add_argument("--calibration-data", dest="calibration", default=None,
-                        help="an image folder or a latent cache to measure head importance on")
-    parser.add_argument("--calibration-batches", dest="calibration_batches_count", type=bounded_int(1, 10_000),
-                        default=4, help="batches of calibration data (default: %(default)s)")
-    parser.add_argument("--batch-size", type=bounded_int(1, 4096), default=16,
-                        help="calibration batch size (default: %(default)s)")
-    parser.add_argument("--vae", default=None, help="the VAE (folder or Hub id) that encodes an image folder")
-    parser.add_argument("--weights", choices=["ema", "model"], default="ema", help="which weights of a training checkpoint")
-    parser.add_argument("--sample-size", type=bounded_int(1, 512), default=None,
-                        help="latent size of a checkpoint (default: read from it)")
-    parser.add_argument("--num-classes", type=bounded_int(1, 100_000), default=None,
-                        help="classes of a checkpoint (default: read from it)")
-    parser.add_argument("--device", default="cpu", help="where importance is measured: cpu, cuda or cuda:N")
-    parser.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=0,
-                        help="seed of the calibration order, timesteps and noise")
-    parser.add_argument("--overwrite", action="store_true", help="replace an earlier upcycled model at --output-dir")
+    add = parser.add_argument
+    add("--checkpoint", required=True, help="the dense model: a model or pipeline folder, or what convert reads")
+    add("--output-dir", "--output_dir", "--output", dest="output_dir", required=True,
+        help="the model folder to write (built aside and renamed into place)")
+    add("--preset", default=None, help="the dense DiT preset of a checkpoint that is not a model folder")
+    add("--activation", type=_activation, default=None,
+        help="head activation: an upcycled preset's layout where one fits, else the upcycling rule's")
+    add("--shared-heads", type=_per_layer, default=None, help="shared heads: one number or one per layer")
+    add("--top-k", type=_per_layer, default=None, help="routed top-K: one number or one per layer")
+    add("--calibration-data", dest="calibration", default=None,
+        help="an image folder or a latent cache to measure head importance on")
+    add("--calibration-batches", dest="calibration_batches_count", type=bounded_int(1, 10_000), default=4,
+        help="batches of calibration data (default: %(default)s)")
+    add("--batch-size", type=bounded_int(1, 4096), default=16, help="calibration batch size (default: %(default)s)")
+    add("--vae", default=None, help="the VAE (folder or Hub id) that encodes an image folder")
+    add("--weights", choices=["ema", "model"], default="ema", help="which weights of a training checkpoint")
+    add("--sample-size", type=bounded_int(1, 512), default=None, help="latent size of a checkpoint (default: its own)")
+    add("--num-classes", type=bounded_int(1, 100_000), default=None, help="classes of a checkpoint (default: its own)")
+    add("--device", default="cpu", help="where importance is measured: cpu, cuda or cuda:N")
+    add("--seed", type=bounded_int(0, 2**63 - 1), default=0, help="seed of the calibration order, timesteps and noise")
+    add("--overwrite", action="store_true", help="replace an earlier upcycled model at --output-dir")
 
 
 def main(args: argparse.Namespace) -> None:
     from moh_dit.hub.upcycle import upcycle
 
-    model, report = upcycle(
+    _, report = upcycle(
         args.checkpoint, args.activation, shared_heads=args.shared_heads, top_k=args.top_k,
         calibration=args.calibration, calibration_batches_count=args.calibration_batches_count,
         batch_size=args.batch_size, preset=args.preset, weights=args.weights, sample_size=args.sample_size,
@@ -68,4 +63,3 @@ def main(args: argparse.Namespace) -> None:
         overwrite=args.overwrite)
     print(report.table())
     print(f"wrote {args.output_dir}: its config.json holds the layout; continue with moh-dit train --init-from")
-

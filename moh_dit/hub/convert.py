@@ -10,6 +10,7 @@ K=1 and K=2 have the same shapes), so the preset is always given.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -59,7 +60,8 @@ def model_to_release_state_dict(model: MoHDiTTransformer2DModel) -> dict[str, to
         out.update({f"{rel}.{s}": ours[f"{mine}.{s}"].clone() for s in ("weight", "bias") if f"{mine}.{s}" in ours})
     for i in range(len(model.transformer_blocks)):
         for s in ("weight", "bias"):
-            out[f"blocks.{i}.attn.qkv.{s}"] = torch.cat([ours[f"transformer_blocks.{i}.attn1.to_{p}.{s}"] for p in "qkv"])
+            out[f"blocks.{i}.attn.qkv.{s}"] = torch.cat([ours[f"transformer_blocks.{i}.attn1.to_{p}.{s}"]
+                                                        for p in "qkv"])  # rows q | k | v, each head-major
     return out
 
 
@@ -207,33 +209,25 @@ def convert_checkpoint(checkpoint: str | os.PathLike, preset: str, output_dir: s
     saved there as a model folder (``save_pretrained``), published whole or not at all; an existing
     folder is replaced only with ``overwrite`` and only if ``moh-dit convert`` wrote it.
     """
-    if output_dir is None:
-        return _convert(checkpoint, preset, weights, sample_size, num_classes, allow_divergent_embeddings)
     local = checkpoint if Path(checkpoint).expanduser().exists() else None
-    with output_folder(output_dir, "convert", overwrite=overwrite, inputs={"checkpoint": local}, publish=True) as tmp:
-        model = _convert(checkpoint, preset, weights, sample_size, num_classes, allow_divergent_embeddings)
-        model.save_pretrained(tmp)
-    return model
-
-
-def _convert(checkpoint, preset, weights, sample_size, num_classes, allow_divergent_embeddings):
-    config = PRESETS[preset]
-    fmt, state_dict, source_config = load_checkpoint(checkpoint, weights)
-    if fmt == "release":
-        if sample_size is None and "pos_embed" in state_dict:
-            sample_size = round(state_dict["pos_embed"].shape[1] ** 0.5) * config["patch_size"]
-        if num_classes is None and "y_embedder.embedding_table.weight" in state_dict:
-            num_classes = state_dict["y_embedder.embedding_table.weight"].shape[0] - 1  # the last row: no class
-    else:
-        if config.get("num_shared_heads") is not None:
+    with contextlib.nullcontext() if output_dir is None else output_folder(
+            output_dir, "convert", overwrite=overwrite, inputs={"checkpoint": local}, publish=True) as folder:
+        patch = PRESETS[preset]["patch_size"]
+        fmt, state_dict, config = load_checkpoint(checkpoint, weights)
+        if fmt == "release":
+            if sample_size is None and "pos_embed" in state_dict:
+                sample_size = round(state_dict["pos_embed"].shape[1] ** 0.5) * patch
+            if num_classes is None and "y_embedder.embedding_table.weight" in state_dict:
+                num_classes = state_dict["y_embedder.embedding_table.weight"].shape[0] - 1  # the last row: no class
+        elif PRESETS[preset].get("num_shared_heads") is not None:
             raise ValueError(f"a diffusers DiTTransformer2DModel is a dense DiT; give a dense DiT preset, not {preset}")
-        sample_size = sample_size or source_config.get("sample_size")
-        num_classes = num_classes or source_config.get("num_embeds_ada_norm")
-    sizes = {k: int(v) for k, v in (("sample_size", sample_size), ("num_classes", num_classes)) if v}
-    model = MoHDiTTransformer2DModel.from_preset(preset, **sizes)
-    what = f"checkpoint {checkpoint}"
-    if fmt == "release":
-        release_state_dict_to_model(state_dict, model, what)
-    else:
-        diffusers_dit_state_dict_to_model(state_dict, model, allow_divergent_embeddings, what)
+        sizes = {"sample_size": sample_size or config.get("sample_size"),
+                 "num_classes": num_classes or config.get("num_embeds_ada_norm")}
+        model = MoHDiTTransformer2DModel.from_preset(preset, **{k: int(v) for k, v in sizes.items() if v})
+        if fmt == "release":
+            release_state_dict_to_model(state_dict, model, f"checkpoint {checkpoint}")
+        else:
+            diffusers_dit_state_dict_to_model(state_dict, model, allow_divergent_embeddings, f"checkpoint {checkpoint}")
+        if folder is not None:
+            model.save_pretrained(folder)
     return model.eval()

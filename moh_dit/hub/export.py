@@ -55,13 +55,7 @@ demo = build_app(pipe, title={title!r})
 if __name__ == "__main__":
     demo.launch()
 '''
-_SPACE_REQUIREMENTS = """# app.py runs moh-dit's app; where the name does not resolve, write moh-dit @ git+<its repository URL>
-moh-dit
-"""
-
-
-def _source_file(cls: type) -> Path:
-    return Path(importlib.import_module(cls.__module__).__file__)
+_SPACE_REQUIREMENTS = "# where the name does not resolve: moh-dit @ git+<its repository URL>\nmoh-dit\n"
 
 
 def _edit_json(path: Path, **values: Any) -> None:
@@ -82,53 +76,51 @@ def model_card(pipe, *, title: str, repo: str, license: str = "apache-2.0", reco
                variant: str | None = None, app: bool = False) -> str:
     """The ``README.md`` of an exported ``pipe``: YAML metadata, the model and its heads, the training
     record (``train_config.json``), ``moh-dit evaluate``'s metrics, a sweep's rows, the head-usage
-    figure, how to load it, and the MoH paper. ``repo`` is what the snippet passes to ``from_pretrained``."""
+    figure, how to load it, and the paper. ``repo`` is what the snippet passes to ``from_pretrained``."""
     from huggingface_hub import ModelCardData
 
     transformer, cfg = pipe.transformer, pipe.transformer.config
-    layout = HeadLayout.of_config(cfg)
-    fixed = ("sample_size", "num_classes", "class_dropout_prob", "class_names")
-    presets = [n for n, p in PRESETS.items() if all(cfg.get(k) == v for k, v in p.items() if k not in fixed)]
-    preset = (record or {}).get("preset") or " / ".join(presets) or "a custom layout"
-    space = {"sdk": "gradio", "app_file": "app.py"} if app else {}
+    layout, (low, high) = HeadLayout.of_config(cfg), transformer.head_activation_range
+    data_keys = ("sample_size", "num_classes", "class_dropout_prob", "class_names")
+    presets = [n for n, p in PRESETS.items() if all(cfg.get(k) == v for k, v in p.items() if k not in data_keys)]
     data = ModelCardData(library_name="diffusers", pipeline_tag="unconditional-image-generation", license=license,
                          tags=["moh-dit", "mixture-of-head-attention", "diffusion-transformer", "dit",
-                               "class-conditional-image-generation"], **space)
-    low, high = transformer.head_activation_range
-    inputs = (f"{cfg.in_channels} x {cfg.sample_size} x {cfg.sample_size} latents of its VAE" if pipe.vae is not None
-              else f"{cfg.in_channels} x {cfg.sample_size} x {cfg.sample_size} images")
+                               "class-conditional-image-generation"], **({"sdk": "gradio", "app_file": "app.py"}
+                                                                          if app else {}))
+    size = f"{cfg.in_channels} x {cfg.sample_size} x {cfg.sample_size}"
+    preset = (record or {}).get("preset") or " / ".join(presets) or "a custom layout"
     lines = ["---", data.to_yaml(), "---", "", f"# {title}", "",
-             f"A class-conditional diffusion transformer with Mixture-of-Head attention (MoH-DiT; Jin et al., 2025) for "
-             f"diffusers, exported by moh-dit: {preset}, {sum(p.numel() for p in transformer.parameters()):,} "
-             f"parameters, {cfg.num_classes} classes (class {cfg.num_classes} is unconditional), {inputs}. Trained "
-             f"head activation {layout.activation_ratio():.4f}; it samples at any activation in [{low:.4f}, {high:.4f}] "
-             "(`head_activation_ratio=` in the pipeline call).", ""]
+             "A class-conditional diffusion transformer with Mixture-of-Head attention (MoH-DiT; Jin et al., 2025) "
+             f"for diffusers, exported by moh-dit: {preset}, {sum(p.numel() for p in transformer.parameters()):,} "
+             f"parameters, {cfg.num_classes} classes "
+             f"(class {cfg.num_classes}: unconditional), {size} {'latents of its VAE' if pipe.vae else 'images'}. "
+             f"Trained head activation {layout.activation_ratio():.4f}; it samples at any activation in "
+             f"[{low:.4f}, {high:.4f}] (`head_activation_ratio=` in the pipeline call).", ""]
     if layout.is_moh:
-        lines += ["## Attention heads", "", "Shared heads are always on; of the routed heads each token uses its "
-                  "top-K.", "", *_table(["layer", "heads", "shared", "routed", "top-K"], [
-                      [i, h, s, h - s, k] for i, (h, s, k) in enumerate(zip(layout.heads, layout.shared, layout.top_k))])]
+        rows = [[i, h, s, h - s, k] for i, (h, s, k) in enumerate(zip(layout.heads, layout.shared, layout.top_k))]
+        lines += ["## Attention heads", "", "Shared heads are always on; of the routed ones each token uses its "
+                  "top-K.", "", *_table(["layer", "heads", "shared", "routed", "top-K"], rows)]
     if record:
-        scalars = [[f"`{k}`", f"`{v}`"] for k, v in record.items() if isinstance(v, (str, int, float, bool))]
-        lines += ["## Training", "", "From the run's `train_config.json`:", "", *_table(["setting", "value"], scalars)]
+        rows = [[f"`{k}`", f"`{v}`"] for k, v in record.items() if isinstance(v, (str, int, float, bool))]
+        lines += ["## Training", "", "From the run's `train_config.json`:", "", *_table(["setting", "value"], rows)]
     if metrics:
         keys = [k for k in _METRICS if metrics.get(k) is not None]
         lines += ["## Evaluation", "", *_table([_METRICS[k] for k in keys], [[metrics[k] for k in keys]])]
-    rows = sweep.get("rows", []) if isinstance(sweep, dict) else sweep
-    if rows:
+    if rows := (sweep.get("rows") if isinstance(sweep, dict) else sweep):
         columns = [k for k, v in rows[0].items() if isinstance(v, (str, int, float)) or v is None]
         lines += ["## Head-activation sweep", "", "The same seeds and labels sampled at each head activation:", "",
                   *_table(columns, [[row.get(k) for k in columns] for row in rows])]
     if head_usage_plot:
         lines += ["## Head usage", "", f"![Which heads each layer uses]({HEAD_USAGE_PLOT})", ""]
     half = f', variant="{variant}", torch_dtype={VARIANTS[variant]}' if variant else ""
-    lines += ["## Use it", "", "With diffusers alone (the pipeline's and the model's code travel with the weights: read "
+    lines += ["## Use it", "", "With diffusers alone (the code travels with the weights: read "
               f"`{PIPELINE_FILE}.py` and `transformer/{TRANSFORMER_FILE}.py`):", "", "```python", "import torch",
               "from diffusers import DiffusionPipeline", "",
               f'pipe = DiffusionPipeline.from_pretrained("{repo}", trust_remote_code=True{half})',
               "images = pipe(class_labels=[0, 1], num_inference_steps=250, seeds=[0, 1]).images",
-              "fewer_heads = pipe(class_labels=[0, 1], seeds=[0, 1], head_activation_ratio="
-              f"{(low + high) / 2:.2f}).images", "```", "",
-              "With moh-dit installed, `MoHDiTPipeline.from_pretrained(folder)` loads it with the package's classes.", ""]
+              f"fewer_heads = pipe([0, 1], seeds=[0, 1], head_activation_ratio={(low + high) / 2:.2f}).images",
+              "```", "", "With moh-dit installed, `MoHDiTPipeline.from_pretrained(folder)` loads it with the "
+              "package's classes.", ""]
     if app:
         lines += ["## App", "", "`python app.py` (with gradio and moh-dit installed) opens a page that samples this "
                   "model at any head activation; the folder also runs as a Hugging Face Space (Gradio SDK).", ""]
@@ -172,8 +164,9 @@ def export_pipeline(model: str | os.PathLike, output_dir: str | os.PathLike, *, 
             if getattr(pipe, name, None) is not None:  # as diffusers casts on loading
                 half = type(getattr(pipe, name)).from_pretrained(tmp / name, torch_dtype=VARIANTS[variant])
                 half.save_pretrained(tmp / name, safe_serialization=True, variant=variant)
-        shutil.copyfile(_source_file(type(pipe)), tmp / f"{PIPELINE_FILE}.py")
-        shutil.copyfile(_source_file(type(pipe.transformer)), tmp / "transformer" / f"{TRANSFORMER_FILE}.py")
+        for cls, file in ((type(pipe), tmp / f"{PIPELINE_FILE}.py"),
+                          (type(pipe.transformer), tmp / "transformer" / f"{TRANSFORMER_FILE}.py")):
+            shutil.copyfile(importlib.import_module(cls.__module__).__file__, file)  # as it is: no moh_dit imports
         # diffusers' AutoModel reads auto_map from model_index.json when given subfolder="transformer"
         auto_map = {"AutoModel": f"{TRANSFORMER_FILE}.{type(pipe.transformer).__name__}"}
         _edit_json(tmp / "model_index.json", _class_name=[PIPELINE_FILE, type(pipe).__name__],
@@ -197,8 +190,7 @@ def export_pipeline(model: str | os.PathLike, output_dir: str | os.PathLike, *, 
 
 def push_folder(folder: str | os.PathLike, repo_id: str, *, token: str | None = None,
                 private: bool | None = None) -> str:
-    """Upload a finished export to the Hub model repository ``repo_id`` in one commit (created if
-    needed); returns the commit's URL."""
+    """Upload a finished export to the Hub model repository ``repo_id`` (created if needed) in one commit."""
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)

@@ -1,14 +1,11 @@
 """Upcycling: a dense DiT becomes a MoH-DiT that keeps every dense weight.
 
-Every layer keeps its heads. Which heads are active comes from a layout: an upcycled preset's
-where one fits the model at the asked head activation, else the rule of :func:`upcycle_layout`.
-Per layer the ``hs`` most important heads (the change of the eps prediction when the head alone
-is removed, on calibration data) become the shared heads and the others the routed ones; heads
-are reordered inside the QKV and output projections (shared first, as the model expects), which
-leaves the dense function unchanged. All routers start at zero: equal scores make every release
-gate exactly 1 (``hs * softmax(0) = 1``, ``K * p / sum_topK p = 1``, ``2 * softmax(0) = 1``), so
-the first forward is the dense model with each token's unselected routed heads removed, which
-:func:`first_forward_gap` measures.
+Every layer keeps its heads; the layout is an upcycled preset's where one fits, else :func:`upcycle_layout`'s.
+Per layer the ``hs`` most important heads (the change of the eps prediction when the head alone is removed,
+on calibration data) become the shared heads, the others the routed ones; heads are reordered inside the QKV
+and output projections (shared first), which leaves the dense function unchanged. All routers start at zero:
+equal scores make every release gate exactly 1 (``hs * softmax(0)``, ``K * p / sum_topK p``, ``2 * softmax(0)``),
+so the first forward is the dense model with each token's unselected heads removed (:func:`first_forward_gap`).
 """
 
 from __future__ import annotations
@@ -67,13 +64,14 @@ class UpcycleReport:
 
     def table(self) -> str:
         """One line per layer: heads, shared / routed (dense head numbers), top-K, importance."""
-        layout = self.preset or ("a given layout" if self.requested_activation is None else "the upcycling rule's layout")
-        asked = "" if self.requested_activation is None else f"requested {self.requested_activation:g}, "
+        asked = self.requested_activation
+        layout = self.preset or ("a given layout" if asked is None else "the upcycling rule's layout")
         active, total = sum(len(c.shared) + c.top_k for c in self.layers), sum(c.heads for c in self.layers)
+        asked = "" if asked is None else f"requested {asked:g}, "
         lines = [f"upcycled {self.source} -> {layout} (head activation {asked}realised {active}/{total} = "
                  f"{self.activation:.4f}); shared heads chosen by {self.calibration}"]
         for c in self.layers:
-            imp = "not measured" if c.importance is None else " ".join(f"{i}:{v:.3g}" for i, v in enumerate(c.importance))
+            imp = " ".join(f"{i}:{v:.3g}" for i, v in enumerate(c.importance)) if c.importance else "not measured"
             lines.append(f"layer {c.layer:2d}: {c.heads} heads, shared {c.shared}, routed {c.routed}, "
                          f"top-K {c.top_k}; importance {imp}")
         lines.append(f"first forward vs dense with unselected heads removed: max |diff| "
@@ -183,8 +181,8 @@ def _folder_dataset(model: MoHDiTTransformer2DModel, path: Path, vae: Any):
     return datasets.ImageFolder(str(path), pixels), vae
 
 
-def calibration_batches(model: MoHDiTTransformer2DModel, calibration: Any, num_batches: int = 4,
-                        batch_size: int = 16, seed: int = 0, vae: Any = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def calibration_batches(model: MoHDiTTransformer2DModel, calibration: Any, num_batches: int = 4, batch_size: int = 16,
+                        seed: int = 0, vae: Any = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Up to ``num_batches`` batches ``(x0, labels)`` of clean model inputs from ``calibration``: a
     folder (a latent cache, or an image folder, encoded by ``vae`` for a latent model), a dataset of
     ``(x0, label)`` items, or a list of ready batches. Items are drawn in a seeded random order."""
@@ -222,7 +220,8 @@ def _noisy(batches, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 @torch.no_grad()
-def head_importance(dense: MoHDiTTransformer2DModel, batches, seed: int = 0, progress: bool = True) -> list[list[float]]:
+def head_importance(dense: MoHDiTTransformer2DModel, batches, seed: int = 0, progress: bool = True
+                    ) -> list[list[float]]:
     """Per layer and head, ``sum ||eps - eps_without||^2 / sum ||eps||^2`` over the calibration
     batches noised at seeded uniform timesteps, where ``eps_without`` is the prediction with that head
     alone removed: its columns of the output projection zeroed (``out = sum_i H_i W_O^i + b``)."""
@@ -263,7 +262,8 @@ def choose_heads(heads: Sequence[int], shared: Sequence[int], top_k: Sequence[in
 
 # ----- the weights and the first forward -------------------------------------------------------
 
-def transfer_weights(dense: MoHDiTTransformer2DModel, moh: MoHDiTTransformer2DModel, choices: list[LayerChoice]) -> None:
+def transfer_weights(dense: MoHDiTTransformer2DModel, moh: MoHDiTTransformer2DModel, choices: list[LayerChoice]
+                     ) -> None:
     """Every dense weight into ``moh`` with each layer's heads reordered (QKV rows and output-projection
     columns per head, which leaves the function unchanged); every router weight zero."""
     source, d = dense.state_dict(), dense.config.attention_head_dim
@@ -303,11 +303,8 @@ def first_forward_gap(dense: MoHDiTTransformer2DModel, moh: MoHDiTTransformer2DM
     """Largest |MoH output - dense output with the heads the MoH routers left out removed|, and per
     layer the heads each token used (B, N, h), in dense head order."""
     sample, used = _run_with_heads(moh.eval(), x, t, y)
-    masks = []
-    for c, u in zip(choices, used):
-        mask = torch.zeros_like(u, dtype=torch.float32)
-        mask[..., c.order] = u.float()
-        masks.append(mask)
+    masks = [torch.zeros_like(u, dtype=torch.float32).index_copy_(-1, torch.tensor(c.order, device=u.device), u.float())
+             for c, u in zip(choices, used)]  # mask[..., order[j]] = used[..., j]
     reference, _ = _run_with_heads(dense.eval(), x, t, y, masks)
     return float((sample - reference).abs().max()), masks
 
@@ -319,54 +316,42 @@ def upcycle(source: Any, activation: float | None = None, *, shared_heads=None, 
             sample_size: int | None = None, num_classes: int | None = None, vae: Any = None, seed: int = 0,
             device: str | torch.device = "cpu", progress: bool = True, output_dir: str | os.PathLike | None = None,
             overwrite: bool = False) -> tuple[MoHDiTTransformer2DModel, UpcycleReport]:
-    """A MoH-DiT from a dense DiT (see :func:`load_dense` for ``source``) and the report of what each
-    layer became.
-
-    The layout: ``activation`` (anything from one head per layer to 1.0, see :func:`resolve_layout`),
-    or ``shared_heads`` and ``top_k``. ``calibration`` (a folder, a dataset or a list of ``(x0, labels)``
-    batches) measures head importance on ``calibration_batches_count`` batches of ``batch_size`` on
-    ``device``; without it heads 0..hs-1 are shared. With ``output_dir`` the model and
-    ``upcycle_report.json`` are written there as :func:`save_upcycled` does, checked before any work.
-    """
+    """A MoH-DiT from a dense DiT (:func:`load_dense` reads ``source``) and the report of each layer. The
+    layout: ``activation`` (:func:`resolve_layout`), or ``shared_heads`` and ``top_k``. ``calibration`` (a
+    folder, a dataset or ``(x0, labels)`` batches) measures head importance on ``device``; without it heads
+    0..hs-1 are shared. ``output_dir``: written as :func:`save_upcycled` does, checked before any work."""
     inputs = {name: p for name, p in (("checkpoint", source), ("calibration", calibration), ("vae", vae))
               if isinstance(p, (str, os.PathLike)) and Path(p).expanduser().exists()}
     with contextlib.nullcontext() if output_dir is None else output_folder(
             output_dir, "upcycle", overwrite=overwrite, inputs=inputs, publish=True) as folder:
-        moh, report = _upcycle(source, activation, shared_heads, top_k, calibration, calibration_batches_count,
-                               batch_size, preset, weights, sample_size, num_classes, vae, seed, device, progress)
+        dense, name = load_dense(source, preset, weights, sample_size, num_classes)
+        dense = dense.to(device)
+        preset_name, shared, k = resolve_layout(dense, activation, shared_heads, top_k)
+        batches = None
+        if calibration is not None:
+            batches = calibration_batches(dense, calibration, calibration_batches_count, batch_size, seed, vae)
+        importance = head_importance(dense, batches, seed, progress) if batches else None
+        heads = list(HeadLayout.of_config(dense.config).heads)
+        choices = choose_heads(heads, shared, k, importance)
+        config = {key: value for key, value in dense.config.items() if not key.startswith("_")}
+        moh = MoHDiTTransformer2DModel(**{**config, "num_attention_heads": heads, "num_shared_heads": shared,
+                                          "top_k": k})
+        transfer_weights(dense, moh, choices)
+        moh = moh.to(device).eval()
+        if batches:  # a calibration batch noised afresh; else noise at t = 999 and 250, a class and the null class
+            x, t, y = _noisy(batches[:1], seed + 1)[0]
+        else:
+            size = dense.config.sample_size
+            x = torch.randn(2, dense.config.in_channels, size, size, generator=torch.Generator().manual_seed(seed))
+            t, y = torch.tensor([999, 250]), torch.tensor([0, dense.config.num_classes])
+        gap, _ = first_forward_gap(dense, moh, choices, x.to(device), t.to(device), y.to(device))
+        images = sum(len(b[1]) for b in batches) if batches else 0
+        how = (f"importance measured on {images} calibration inputs" if batches
+               else "the release's default without calibration data (heads 0..hs-1)")
+        report = UpcycleReport(name, preset_name, HeadLayout.parse(len(heads), heads, shared, k).activation_ratio(),
+                               None if activation is None else float(activation), how, choices, gap)
         if folder is not None:
             _save(moh, report, folder)
-    return moh, report
-
-
-def _upcycle(source, activation, shared_heads, top_k, calibration, calibration_batches_count, batch_size, preset,
-             weights, sample_size, num_classes, vae, seed, device, progress):
-    dense, name = load_dense(source, preset, weights, sample_size, num_classes)
-    dense = dense.to(device)
-    preset_name, shared, k = resolve_layout(dense, activation, shared_heads, top_k)
-    batches = None
-    if calibration is not None:
-        batches = calibration_batches(dense, calibration, calibration_batches_count, batch_size, seed, vae)
-    importance = head_importance(dense, batches, seed, progress) if batches else None
-    heads = list(HeadLayout.of_config(dense.config).heads)
-    choices = choose_heads(heads, shared, k, importance)
-    config = {key: value for key, value in dense.config.items() if not key.startswith("_")}
-    moh = MoHDiTTransformer2DModel(**{**config, "num_attention_heads": heads, "num_shared_heads": shared, "top_k": k})
-    transfer_weights(dense, moh, choices)
-    moh = moh.to(device).eval()
-    if batches:  # a calibration batch noised afresh; else noise at t = 999 and 250, a class and the null class
-        x, t, y = _noisy(batches[:1], seed + 1)[0]
-    else:
-        size = dense.config.sample_size
-        x = torch.randn(2, dense.config.in_channels, size, size, generator=torch.Generator().manual_seed(seed))
-        t, y = torch.tensor([999, 250]), torch.tensor([0, dense.config.num_classes])
-    gap, _ = first_forward_gap(dense, moh, choices, x.to(device), t.to(device), y.to(device))
-    images = sum(len(b[1]) for b in batches) if batches else 0
-    how = (f"importance measured on {images} calibration inputs" if batches
-           else "the release's default without calibration data (heads 0..hs-1)")
-    ratio = HeadLayout.parse(len(heads), heads, shared, k).activation_ratio()
-    report = UpcycleReport(name, preset_name, ratio, None if activation is None else float(activation), how, choices,
-                           gap)
     return moh, report
 
 
@@ -378,9 +363,7 @@ def _save(model: MoHDiTTransformer2DModel, report: UpcycleReport, folder: Path) 
 
 def save_upcycled(model: MoHDiTTransformer2DModel, report: UpcycleReport, output_dir: str | os.PathLike,
                   overwrite: bool = False) -> Path:
-    """The model (``save_pretrained``) and ``upcycle_report.json``, published together into
-    ``output_dir``; an existing folder is replaced only with ``overwrite`` and only if
-    ``moh-dit upcycle`` wrote it."""
+    """The model and ``upcycle_report.json`` published into ``output_dir`` (``overwrite``: only upcycle's own)."""
     with output_folder(output_dir, "upcycle", overwrite=overwrite, publish=True) as tmp:
         _save(model, report, tmp)
     return Path(output_dir)
