@@ -113,42 +113,20 @@ def sweep(model, ratios: Sequence[float | str] = DEFAULT_RATIOS, *, reference, o
             classifier = load_classifier(classifier, classifier_weights, device=device)
         images = dict(guidance_scale=guidance_scale, guidance_channels=guidance_channels,
                       num_inference_steps=num_inference_steps, seed=seed)
-        plans: dict[Any, dict] = {}
-        for ratio in ratios:  # one image at each ratio first: the pipeline checks it before any sampling
-            value = {"trained": None, "min": transformer.head_activation_range[0]}.get(ratio, ratio)
-            _, out = generate(pipe, [0], head_activation_ratio=value, **images)
-            key = ratio if str(ratio).startswith("linear:") else round(out.head_activation_ratio, 9)
-            plans.setdefault(key, {"requested": [], "value": value, "steps": out.head_activation_ratios,
-                                   "realised": out.head_activation_ratio})["requested"].append(str(ratio))
         calls = num_inference_steps * (2 if guidance_scale > 1 else 1)  # guidance runs the null class too
         rows = []
-        for key, plan in sorted(plans.items(), key=lambda item: (isinstance(item[0], str), -item[1]["realised"])):
-            label = "/".join(plan["requested"])
-            samples_dir = None
-            if save_samples and folder is not None:
-                samples_dir = folder / ("ratio_" + (f"{plan['realised']:.4f}" if isinstance(key, float)
-                                                    else key.replace(":", "_")))
-            seconds = [0.0]
-
-            def batches():
-                for start in range(0, num_samples, batch_size):
-                    began = time.perf_counter()
-                    batch = list(range(start, min(start + batch_size, num_samples)))
-                    made, _ = generate(pipe, batch, head_activation_ratio=plan["value"], **images)
-                    seconds[0] += time.perf_counter() - began
-                    for index, image in zip(batch, made if samples_dir is not None else ()):
-                        save_png(png_path(samples_dir, index), image)
-                    yield made
-
+        for plan in _plan(pipe, ratios, images):
+            samples_dir = None if not save_samples or folder is None else folder / plan["folder"]
             meter = None
             if classifier is not None:
                 labels = class_labels_for(np.arange(num_samples), transformer.config.num_classes)
                 meter = ClassAccuracyMeter(classifier, labels, None, num_samples)
-            features = extract_features(batches(), extractor,
-                                        device=device, batch_size=eval_batch_size,
+            seconds = [0.0]
+            features = extract_features(_batches(pipe, plan, images, num_samples, batch_size, samples_dir, seconds),
+                                        extractor, device=device, batch_size=eval_batch_size,
                                         on_batch=None if meter is None else meter.update)
-            row = {"ratio": label, "requested": plan["requested"], "realised_ratio": plan["realised"],
-                   "head_activation_ratios": plan["steps"] if isinstance(key, str) else None,
+            row = {"ratio": "/".join(plan["requested"]), "requested": plan["requested"],
+                   "realised_ratio": plan["realised"], "head_activation_ratios": plan["schedule"],
                    **compute_metrics(features, ref, device=device)}
             if bootstrap and row["fid"] is not None:
                 row["fid_low"], row["fid_high"], row["fid_bootstrap_bias"] = _bootstrap(
@@ -160,9 +138,9 @@ def sweep(model, ratios: Sequence[float | str] = DEFAULT_RATIOS, *, reference, o
             sparse, dense, top_k = _cost(transformer, plan["steps"])
             row.update(attention_flop_ratio=sparse / dense, mean_attention_flops=sparse,
                        attention_flops_per_image=sparse * calls, dense_attention_flops_per_image=dense * calls,
-                       top_k_per_layer=None if isinstance(key, str) else top_k, sampling_seconds=seconds[0],
+                       top_k_per_layer=None if plan["schedule"] else top_k, sampling_seconds=seconds[0],
                        seconds_per_image=seconds[0] / num_samples, num_samples=num_samples,
-                       samples_dir=None if samples_dir is None else str(Path(output_dir) / samples_dir.name))
+                       samples_dir=None if samples_dir is None else str(Path(output_dir) / plan["folder"]))
             rows.append(row)
         result = {"settings": {
             "model": str(Path(model).resolve()) if isinstance(model, (str, os.PathLike)) else type(model).__name__,
@@ -177,6 +155,37 @@ def sweep(model, ratios: Sequence[float | str] = DEFAULT_RATIOS, *, reference, o
         if folder is not None:
             _write(result, folder, pipe, head_usage_images, progress)
     return result
+
+
+def _plan(pipe, ratios: Sequence[float | str], images: dict) -> list[dict]:
+    """One plan per realised ratio (or schedule), highest first, schedules last. Each ratio runs one
+    image first: the pipeline checks it against the model before any sampling, and says what it realises."""
+    plans: dict[Any, dict] = {}
+    for ratio in ratios:
+        value = {"trained": None, "min": pipe.transformer.head_activation_range[0]}.get(ratio, ratio)
+        _, out = generate(pipe, [0], head_activation_ratio=value, **images)
+        schedule = str(ratio).startswith("linear:")
+        key = ratio if schedule else round(out.head_activation_ratio, 9)
+        plans.setdefault(key, {
+            "requested": [], "value": value, "steps": out.head_activation_ratios, "realised": out.head_activation_ratio,
+            "schedule": out.head_activation_ratios if schedule else None,
+            "folder": "ratio_" + (ratio.replace(":", "_") if schedule else f"{out.head_activation_ratio:.4f}"),
+        })["requested"].append(str(ratio))
+    return sorted(plans.values(), key=lambda plan: (plan["schedule"] is not None, -plan["realised"]))
+
+
+def _batches(pipe, plan: dict, images: dict, num_samples: int, batch_size: int, samples_dir: Path | None,
+             seconds: list[float]):
+    """uint8 (B, H, W, 3) batches of images 0 .. num_samples - 1 at ``plan``'s ratio, saved as PNGs
+    into ``samples_dir`` when given; the sampling time (not the evaluation's) is added to ``seconds``."""
+    for start in range(0, num_samples, batch_size):
+        began = time.perf_counter()
+        batch = list(range(start, min(start + batch_size, num_samples)))
+        made, _ = generate(pipe, batch, head_activation_ratio=plan["value"], **images)
+        seconds[0] += time.perf_counter() - began
+        for index, image in zip(batch, made if samples_dir is not None else ()):
+            save_png(png_path(samples_dir, index), image)
+        yield made
 
 
 def _write(result: dict, folder: Path, pipe, head_usage_images: int, progress: bool) -> None:
