@@ -212,8 +212,9 @@ def plot_head_usage(usage: HeadUsage, title: str, subtitle: str | None = None):
         ax.set_xticks(range(0, width, math.ceil(width / 12)))
         ax.set_title(label if len(label) <= 24 else label[:23] + "…", fontsize=9)
         ax.set_xlabel("head", fontsize=8)
-        ax.set_yticks(range(layers), [f"L{i} {s}+{k}" if n % columns == 0 else "" for i, (s, k)
-                                      in enumerate(zip(usage.shared_heads, usage.top_k))], fontsize=7)
+        ax.set_yticks(range(layers), [(f"L{i}  {s} + {k}/{len(row) - s}" if len(row) > s else f"L{i}  {s} shared")
+                                      if n % columns == 0 else "" for i, (row, s, k)
+                                      in enumerate(zip(usage.overall, usage.shared_heads, usage.top_k))], fontsize=7)
         ax.tick_params(labelsize=7, length=2)
     for ax in axes.flat[len(panels):]:
         ax.set_axis_off()
@@ -233,6 +234,8 @@ def _subtitle(usage: HeadUsage) -> str:
     s = usage.settings
     if usage.ranges_of == TRAINING_STEP:
         return f"training log: {s.get('logged_steps')} logged steps, {s.get('first_step')} to {s.get('last_step')}"
+    if s.get("source") != "sampling":
+        return ""
     return (f"{len(s.get('classes', {}))} classes x {s.get('images_per_class')} images, "
             f"{s.get('num_inference_steps')} steps, guidance {s.get('guidance_scale')}, "
-            f"head activation {s.get('head_activation_ratio', 1.0):.3f}; row labels: layer shared+top-K")
+            f"head activation {s.get('head_activation_ratio', 1.0):.3f}; L3  1 + 2/3: 1 shared, top-2 of 3 routed")
