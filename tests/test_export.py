@@ -168,9 +168,12 @@ def test_the_output_rules(source, tmp_path, monkeypatch):
     root, _ = source
     with pytest.raises(FileNotFoundError, match="none.json"):
         export_pipeline(root / "run", tmp_path / "out", metrics=tmp_path / "none.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="bad.json"):
+        export_pipeline(root / "run", tmp_path / "out", sweep=tmp_path / "bad.json")
     with pytest.raises(ValueError):  # never inside an input
         export_pipeline(root / "run", root / "run" / "export")
-    assert not (tmp_path / "out").exists() and not (root / "run" / "export").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"] and not (root / "run" / "export").exists()
     out = export_pipeline(root / "run", tmp_path / "out", variant="fp16")
     (out / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="notes.txt"):

@@ -151,13 +151,17 @@ def export_pipeline(model: str | os.PathLike, output_dir: str | os.PathLike, *, 
     if head_usage is None and sweep_file and (Path(sweep_file).parent / "head_usage" / HEAD_USAGE_PLOT).is_file():
         head_usage = Path(sweep_file).parent / "head_usage"
     figure = Path(head_usage) / HEAD_USAGE_PLOT if head_usage and Path(head_usage).is_dir() else head_usage
-    card_inputs = {"metrics": metrics, "sweep": sweep_file, "head_usage": figure}
-    for name, path in card_inputs.items():
-        if path is not None and not Path(path).is_file():
-            raise FileNotFoundError(2, f"no such {name} file", str(path))
-    local_vae = vae if vae and Path(vae).expanduser().exists() else None
+    if figure is not None and not Path(figure).is_file():
+        raise FileNotFoundError(2, "no head-usage figure", str(figure))
+    results = {}
+    for name, path in (("metrics", metrics), ("sweep", sweep_file)):
+        try:  # a missing file is an OSError that names it
+            results[name] = path and read_json(path)
+        except ValueError as error:
+            raise ValueError(f"{name} {path} is not JSON ({error})") from None
+    local = {name: p for name, p in (("model", model), ("vae", vae)) if p and Path(p).expanduser().exists()}
     with output_folder(output_dir, "export", overwrite=overwrite, publish=True,
-                       inputs={"model": model, "vae": local_vae, **card_inputs}) as tmp:
+                       inputs={**local, "metrics": metrics, "sweep": sweep_file, "head_usage": figure}) as tmp:
         pipe = load_pipeline(model, vae=vae)
         pipe.save_pretrained(tmp, safe_serialization=True)
         for name in ("transformer", "vae") if variant else ():
@@ -180,8 +184,7 @@ def export_pipeline(model: str | os.PathLike, output_dir: str | os.PathLike, *, 
             (tmp / "app.py").write_text(_SPACE_APP.format(title=output_dir.name), encoding="utf-8")
             (tmp / "requirements.txt").write_text(_SPACE_REQUIREMENTS, encoding="utf-8")
         card = model_card(pipe, title=output_dir.name, repo=push_to_hub or str(output_dir), license=license,
-                          record=record, metrics=metrics and read_json(metrics), variant=variant, app=app,
-                          sweep=sweep_file and read_json(sweep_file), head_usage_plot=figure is not None)
+                          record=record, variant=variant, app=app, head_usage_plot=figure is not None, **results)
         (tmp / "README.md").write_text(card, encoding="utf-8")
     if push_to_hub:
         push_folder(output_dir, push_to_hub, token=token, private=private)
