@@ -1,7 +1,6 @@
 """The latent cache: the stored Gaussians equal on-the-fly encoding, sampled latents follow them,
 an interrupted extraction resumes by shard, and the folder follows the output rules."""
 
-import argparse
 import json
 import os
 import pickle
@@ -13,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-import moh_dit.commands.extract_latents as command
+import moh_dit.commands as commands
 import moh_dit.data.latents as latents_mod
 from moh_dit.data.datasets import CorruptImageError, ImageFolderDataset, flip_for
 from moh_dit.data.latents import LatentDataset, encode_distribution, extract_latents, load_vae
@@ -43,9 +42,7 @@ def image_dir(tmp_path_factory):
 
 
 def run(*argv):
-    parser = argparse.ArgumentParser()
-    command.build_parser(parser)
-    command.main(parser.parse_args([str(a) for a in argv]))
+    assert commands.run("extract-latents", [str(a) for a in argv] + ["--debug"]) == 0
 
 
 @pytest.fixture(scope="module")
@@ -176,12 +173,9 @@ def test_the_output_is_never_a_users_folder_or_inside_an_input(vae_dir, image_di
 
 @pytest.mark.parametrize("flag, value", [("--num-workers", "10000"), ("--num-workers", "-1"), ("--image-size", "0"),
                                          ("--batch-size", "0"), ("--shard-size", "0"), ("--dtype", "bfloat16")])
-def test_the_parser_refuses_bad_values(flag, value, tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    command.build_parser(parser)
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--data-dir", "d", "--vae", "v", "--output-dir", str(tmp_path / "o"), flag, value])
-    assert flag in capsys.readouterr().err
+def test_the_parser_refuses_bad_values(flag, value, tmp_path, refuses):
+    refuses("extract-latents", ["--data-dir", "d", "--vae", "v", "--output-dir", tmp_path / "o", flag, value], flag,
+            status=2)
 
 
 def test_a_local_vae_is_recorded_by_its_absolute_path(image_dir, vae_dir, tmp_path, monkeypatch):

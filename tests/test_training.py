@@ -1,7 +1,6 @@
 """Training on tiny generated data: the run folder, pixel / VAE / latent-cache spaces, exact resume
 after a crash, accumulation, the EMA, the finite watch without host reads, and the command line."""
 
-import argparse
 import json
 import os
 import stat
@@ -15,9 +14,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-import moh_dit.commands.train as command
 import moh_dit.training.trainer as trainer
 from moh_dit import MoHDiTPipeline, MoHDiTTransformer2DModel
+from moh_dit.commands import run
 from moh_dit.diffusion import create_diffusion
 from moh_dit.training import Checkpoint, TrainConfig, find_latest_checkpoint, train
 
@@ -44,10 +43,8 @@ def config(tmp_path, data, **kw) -> TrainConfig:
 
 
 def cli(*argv):
-    """``moh-dit train ARGV`` through the command's parser and main."""
-    parser = argparse.ArgumentParser()
-    command.build_parser(parser)
-    command.main(parser.parse_args([str(a) for a in argv]))
+    """``moh-dit train ARGV`` (with --debug: an error is raised as it is)."""
+    assert run("train", [str(a) for a in argv] + ["--debug"]) == 0
 
 
 def cli_args(run, data, *extra):
@@ -353,37 +350,33 @@ def test_bad_data_found_after_the_folder_was_taken_blocks_no_rerun(tmp_path):
     assert json.loads((tmp_path / "b" / "train_log.jsonl").read_text().splitlines()[-1])["images_skipped"] >= 1
 
 
-def test_the_command_line(tmp_path, data, capsys, monkeypatch):
-    run = tmp_path / "run"
+def test_the_command_line(tmp_path, data, capsys, refuses, monkeypatch):
+    run_dir = tmp_path / "run"
+    argv = cli_args(run_dir, data, "--preset", "MoH-DiT-Tiny")
     for flags in (["--checkpoints-total-limit", -1], ["--num-workers", 10000], ["--ema-decay", "nan"],
                   ["--preset", "MoH-DiT-Huge"], ["--report-to", "comet"]):
-        with pytest.raises(SystemExit):
-            cli(*cli_args(run, data, "--preset", "MoH-DiT-Tiny"), *flags)
-        assert flags[0] in capsys.readouterr().err
-    # a tracker asked for but not installed: refused before any work
-    monkeypatch.setattr(trainer.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ValueError, match="wandb"):
-        cli(*cli_args(run, data, "--preset", "MoH-DiT-Tiny", "--report-to", "wandb"))
+        refuses("train", argv + flags, flags[0], status=2)
+    monkeypatch.setattr(trainer.importlib.util, "find_spec", lambda name: None)  # before any work
+    refuses("train", argv + ["--report-to", "wandb"], "report_to wandb is not installed", status=1)
     monkeypatch.undo()
-    cli(*cli_args(run, data, "--preset", "MoH-DiT-Tiny", "--dry-run"))
+    cli(*argv, "--dry-run")
     printed = json.loads(capsys.readouterr().out)
     assert (printed["global_batch_size"], printed["train_batch_size"], printed["vae"]) == (4, 4, "none")
-    assert not run.exists()
+    assert not run_dir.exists()
     # diffusers' spellings
-    cli("--train_data_dir", data, "--resolution", 16, "--output_dir", run, "--max_train_steps", 2, "--train_batch_size",
-        2, "--gradient_accumulation_steps", 2, "--checkpointing_steps", 2, "--report_to", "none", "--mixed_precision",
-        "no", "--dataloader_num_workers", 0, "--preset", "MoH-DiT-Tiny", "--vae", "none", "--log-every", 1)
-    assert json.loads((run / "train_config.json").read_text())["global_batch_size"] == 4
-    # a finished run's folder: a fresh run is refused, a resume without --preset (or data) takes the run's settings
-    with pytest.raises(FileExistsError):
-        cli(*cli_args(run, data, "--preset", "MoH-DiT-Tiny"))
-    cli("--output-dir", run, "--resume", "latest", "--max-steps", 4)
-    record = json.loads((run / "train_config.json").read_text())
+    cli("--train_data_dir", data, "--resolution", 16, "--output_dir", run_dir, "--max_train_steps", 2,
+        "--train_batch_size", 2, "--gradient_accumulation_steps", 2, "--checkpointing_steps", 2, "--report_to", "none",
+        "--mixed_precision", "no", "--dataloader_num_workers", 0, "--preset", "MoH-DiT-Tiny", "--vae", "none",
+        "--log-every", 1)
+    assert json.loads((run_dir / "train_config.json").read_text())["global_batch_size"] == 4
+    # a finished run's folder: a fresh run is refused; a resume without --preset or data takes the run's settings
+    refuses("train", argv, f"already exists.*{run_dir}")
+    cli("--output-dir", run_dir, "--resume", "latest", "--max-steps", 4)
+    record = json.loads((run_dir / "train_config.json").read_text())
     assert (record["preset"], record["max_steps"], record["data_dir"], record["image_size"]) == \
         ("MoH-DiT-Tiny", 4, str(data), 16)
-    assert log_steps(run) == [1, 2, 3, 4]
-    with pytest.raises(ValueError, match="patch_size"):  # another model than the run's
-        cli("--output-dir", run, "--resume", "latest", "--max-steps", 6, "--preset", "MoH-DiT-Tiny/2")
+    assert log_steps(run_dir) == [1, 2, 3, 4]
+    refuses("train", ["--output-dir", run_dir, "--resume", "latest", "--preset", "MoH-DiT-Tiny/2"], "patch_size")
 
 
 @pytest.mark.slow
@@ -396,11 +389,10 @@ def test_a_killed_run_resumes_at_once_though_its_data_workers_outlive_it(tmp_pat
     run = tmp_path / "run"
     argv = [str(a) for a in cli_args(run, data, "--preset", "MoH-DiT-Tiny", "--max-steps", 1000, "--checkpoint-every",
                                      1, "--num-workers", 2)]
-    code = ("import argparse, sys, time\n"
-            "import moh_dit.commands.train as c, moh_dit.data.datasets as d\n"
+    code = ("import sys, time, moh_dit.data.datasets as d\n"
             "real = d.ImageFolderDataset.__getitem__\n"
             "d.ImageFolderDataset.__getitem__ = lambda self, key: time.sleep(0.5) or real(self, key)\n"
-            "p = argparse.ArgumentParser(); c.build_parser(p); c.main(p.parse_args(sys.argv[1:]))\n")
+            "from moh_dit.commands import run; run('train', sys.argv[1:])\n")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
     victim = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)

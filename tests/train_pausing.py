@@ -3,14 +3,12 @@ process stops (sleeping, alive) right after the checkpoint of step ``$MOH_DIT_TE
 (0: never), a run the test then finds busy and kills. Each process writes its pid to
 ``$MOH_DIT_TEST_PID_DIR/<rank>`` (torchrun puts its workers in sessions of their own)."""
 
-import argparse
-import logging
 import os
 import sys
 import time
 from pathlib import Path
 
-import moh_dit.commands.train as command
+from moh_dit.commands import run
 from moh_dit.training import Checkpoint
 
 PAUSE_AFTER = int(os.environ.get("MOH_DIT_TEST_PAUSE_AFTER", "0"))
@@ -29,9 +27,6 @@ def _save_then_pause(self, step, *args, **kwargs):
 
 if __name__ == "__main__":
     Checkpoint.save = _save_then_pause
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # as the command line shows it
     if os.environ.get("MOH_DIT_TEST_PID_DIR"):
         (Path(os.environ["MOH_DIT_TEST_PID_DIR"]) / os.environ.get("RANK", "0")).write_text(str(os.getpid()))
-    parser = argparse.ArgumentParser()
-    command.build_parser(parser)
-    command.main(parser.parse_args(sys.argv[1:]))
+    sys.exit(run("train", sys.argv[1:]))
