@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -178,7 +177,9 @@ def load_checkpoint(source: str | os.PathLike, weights: str = "ema") -> tuple[st
     if path.is_dir():
         if (path / "transformer" / "config.json").is_file():
             path = path / "transformer"
-        config = json.loads((path / "config.json").read_text())
+        from diffusers import DiTTransformer2DModel
+
+        config = DiTTransformer2DModel.load_config(path)  # its errors name the file
         if config.get("_class_name") != "DiTTransformer2DModel":
             raise ValueError(f"{path / 'config.json'} describes a {config.get('_class_name')}, not a "
                              "DiTTransformer2DModel; give a checkpoint file or a diffusers DiT folder")
