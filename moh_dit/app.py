@@ -68,8 +68,7 @@ def build_app(pipe, *, title: str = "MoH-DiT", max_images: int = 16, max_steps: 
     try:
         import gradio as gr
     except ImportError:
-        raise ModuleNotFoundError("the app needs Gradio: pip install 'moh-dit[app]' (or pip install gradio)",
-                                  name="gradio") from None
+        raise ModuleNotFoundError("the app needs Gradio: pip install gradio", name="gradio") from None
     import PIL.Image
 
     model = pipe.transformer

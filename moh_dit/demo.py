@@ -18,6 +18,7 @@ training resumes from its last checkpoint.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -29,14 +30,16 @@ __all__ = ["demo", "ratio_picture", "upcycle_demo"]
 
 logger = logging.getLogger(__name__)
 SETTINGS = "demo_settings.json"
+RATIOS = (1.0, 0.9, "trained", 0.6, "min")  # the sweep's
 # A tiny model and a short run: a higher learning rate and a faster EMA than the paper's 1e-4 /
 # 0.9999, which are tuned for 400K steps at batch 256.
-RECIPE = dict(vae="none", global_batch_size=32, learning_rate=2e-3, warmup_steps=100, ema_decay=0.99, num_workers=0,
+RECIPE = dict(vae="none", learning_rate=2e-3, warmup_steps=100, ema_decay=0.99, num_workers=0,
               checkpoints_total_limit=1, log_every=100, report_to="none")
 
 
 def _check_settings(folder: Path, settings: dict[str, Any]) -> None:
     """Finished stages are reused on a rerun, so a folder holding a demo of other settings is refused."""
+    settings = json.loads(json.dumps(settings))  # as the file holds them
     if (folder / SETTINGS).is_file():
         before = read_json(folder / SETTINGS)
         changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
@@ -46,7 +49,8 @@ def _check_settings(folder: Path, settings: dict[str, Any]) -> None:
     write_json(folder / SETTINGS, settings)
 
 
-def _data(folder: Path, images_per_class: int, image_size: int, seed: int) -> tuple[Path, Path]:
+def _data(folder: Path, images_per_class: int, reference_per_class: int, image_size: int, seed: int
+          ) -> tuple[Path, Path]:
     """The training images and held-out images of the same classes (another seed, never trained on)."""
     from .data.demo_data import make_demo_dataset
 
@@ -54,7 +58,7 @@ def _data(folder: Path, images_per_class: int, image_size: int, seed: int) -> tu
     if not data.is_dir():
         make_demo_dataset(data, images_per_class=images_per_class, image_size=image_size, seed=seed)
     if not reference.is_dir():
-        make_demo_dataset(reference, images_per_class=30, image_size=image_size, seed=seed + 1)
+        make_demo_dataset(reference, images_per_class=reference_per_class, image_size=image_size, seed=seed + 1)
     return data, reference
 
 
@@ -67,7 +71,8 @@ def _classifier(folder: Path, data: Path, image_size: int, seed: int) -> float:
     return read_json(folder / "classifier.json")["held_out"]["accuracy"]
 
 
-def _train(run: Path, preset: str, data: Path, image_size: int, steps: int, seed: int, **options) -> Path:
+def _train(run: Path, preset: str, data: Path, image_size: int, steps: int, batch_size: int, seed: int,
+           **options) -> Path:
     """One training run of the demo's recipe; a finished one is kept, a stopped one resumed."""
     from .training import TrainConfig, find_latest_checkpoint, train
 
@@ -77,7 +82,8 @@ def _train(run: Path, preset: str, data: Path, image_size: int, steps: int, seed
     if resume:
         options.pop("init_from", None)
     return train(TrainConfig(output_dir=str(run), preset=preset, data_dir=str(data), image_size=image_size,
-                             max_steps=steps, checkpoint_every=max(1, steps // 3), resume=resume, seed=seed,
+                             max_steps=steps, global_batch_size=batch_size, checkpoint_every=max(1, steps // 3),
+                             resume=resume, seed=seed,
                              **RECIPE, **options))
 
 
@@ -123,31 +129,30 @@ def ratio_picture(pipe, ratios: Sequence[float | None], num_inference_steps: int
 
 
 def demo(output_dir: str = "demo_output", *, preset: str = "MoH-DiT-Tiny/2", image_size: int = 16,
-         images_per_class: int = 300, max_steps: int = 1400, sample_steps: int = 25, sweep_samples: int = 120,
-         ratios: Sequence[float | str] = (1.0, 0.9, "trained", 0.6, "min"), inception_weights: str | None = None,
-         seed: int = 0) -> dict[str, Any]:
+         images_per_class: int = 300, reference_per_class: int = 30, max_steps: int = 1400, batch_size: int = 32,
+         sample_steps: int = 25, sweep_samples: int = 120, ratios: Sequence[float | str] = RATIOS,
+         inception_weights: str | None = None, seed: int = 0) -> dict[str, Any]:
     """The whole job into ``output_dir`` (see the module's docstring); returns the sweep's result."""
+    settings = {k: v for k, v in locals().items() if k not in ("output_dir", "inception_weights")}
     from .sampling import load_pipeline
     from .sampling.sweep import sweep, table
 
     start = time.perf_counter()
-    settings = dict(preset=preset, image_size=image_size, images_per_class=images_per_class, max_steps=max_steps,
-                    sample_steps=sample_steps, sweep_samples=sweep_samples, ratios=list(ratios), seed=seed)
     with output_folder(output_dir, "demo", resume=True, inputs={"inception_weights": inception_weights},
                        setup=(SETTINGS,)) as out:
         _check_settings(out, settings)
-        data, reference = _data(out, images_per_class, image_size, seed)
+        data, reference = _data(out, images_per_class, reference_per_class, image_size, seed)
         logger.info(f"[1/5] demo dataset: {data} (held-out: {reference})")
         accuracy = _classifier(out / "classifier", data, image_size, seed)
         logger.info(f"[2/5] classifier: {100 * accuracy:.1f}% on held-out real images")
         logger.info(f"[3/5] training {preset} for {max_steps} steps ({image_size} px, pixel space)")
-        final = _train(out / "run", preset, data, image_size, max_steps, seed)
+        final = _train(out / "run", preset, data, image_size, max_steps, batch_size, seed)
         pipe = load_pipeline(final)
         pipe.set_progress_bar_config(disable=True)
         low, high = pipe.transformer.head_activation_range
         with atomic_write(out / "ratios.png") as f:
-            ratio_picture(pipe, [high, None, low], sample_steps, seed=seed, scale=max(1, 96 // image_size)).save(
-                f, format="PNG")
+            picture = ratio_picture(pipe, [high, None, low], sample_steps, seed=seed, scale=max(1, 96 // image_size))
+            picture.save(f, format="PNG")
         logger.info(f"[4/5] the same seeds at every head, the trained ratio and the fewest: {out / 'ratios.png'}")
         logger.info(f"[5/5] head-activation sweep: {sweep_samples} images per ratio, {sample_steps} steps")
         progress = logger.isEnabledFor(logging.INFO)
@@ -166,44 +171,45 @@ DENSE, UPCYCLED = "DiT-Tiny/2", "MoH-DiT-Tiny/2-up75"
 
 
 def upcycle_demo(output_dir: str = "upcycle_demo", *, dense_steps: int = 900, continue_steps: int = 300,
-                 router_warmup_steps: int = 30, images_per_class: int = 300, eval_samples: int = 120,
-                 sample_steps: int = 25, inception_weights: str | None = None, seed: int = 0) -> list[dict[str, Any]]:
+                 router_warmup_steps: int = 30, images_per_class: int = 300, reference_per_class: int = 30,
+                 batch_size: int = 32, eval_samples: int = 120, sample_steps: int = 25,
+                 inception_weights: str | None = None, seed: int = 0) -> list[dict[str, Any]]:
     """Upcycling against training from scratch into ``output_dir`` (see the module's docstring);
     returns a row of metrics per model, also written as ``upcycle_demo.md`` and ``.json``."""
+    settings = {k: v for k, v in locals().items() if k not in ("output_dir", "inception_weights")}
     from .hub.upcycle import upcycle
     from .sampling.sweep import sweep
 
     n, m, size = dense_steps, continue_steps, 16
-    settings = dict(dense_steps=n, continue_steps=m, router_warmup_steps=router_warmup_steps,
-                    images_per_class=images_per_class, eval_samples=eval_samples, sample_steps=sample_steps, seed=seed)
     with output_folder(output_dir, "upcycle-demo", resume=True, inputs={"inception_weights": inception_weights},
                        setup=(SETTINGS,)) as out:
         _check_settings(out, settings)
-        data, reference = _data(out, images_per_class, size, seed)
+        data, reference = _data(out, images_per_class, reference_per_class, size, seed)
         logger.info(f"[1/4] dense {DENSE}: {n} steps")
-        dense = _train(out / "dense", DENSE, data, size, n, seed)
+        dense = _train(out / "dense", DENSE, data, size, n, batch_size, seed)
         logger.info(f"[2/4] upcycled to {UPCYCLED}, then {m} steps ({router_warmup_steps} routers only)")
         upcycled = out / "upcycled"
         if not upcycled.is_dir():
             upcycle(dense, 0.75, calibration=data, batch_size=32, seed=seed, progress=False, output_dir=upcycled)
-        continued = _train(out / "upcycled_run", UPCYCLED, data, size, m, seed, init_from=str(upcycled),
+        continued = _train(out / "upcycled_run", UPCYCLED, data, size, m, batch_size, seed, init_from=str(upcycled),
                            router_warmup_steps=router_warmup_steps)
         logger.info(f"[3/4] baselines: {DENSE} continued {m} steps; {UPCYCLED} from scratch, {n + m} steps")
-        dense_more = _train(out / "dense_continued", DENSE, data, size, m, seed, init_from=str(dense))
-        scratch = _train(out / "scratch", UPCYCLED, data, size, n + m, seed)
+        dense_more = _train(out / "dense_continued", DENSE, data, size, m, batch_size, seed, init_from=str(dense))
+        scratch = _train(out / "scratch", UPCYCLED, data, size, n + m, batch_size, seed)
         accuracy = _classifier(out / "classifier", data, size, seed)
         logger.info(f"[4/4] metrics: {eval_samples} images per model, {sample_steps} steps")
         features, rows = _features(inception_weights), []
-        for name, steps, model in ((f"dense {DENSE}", n, dense), (f"dense {DENSE}, continued", n + m, dense_more),
-                                   ("upcycled, before training", n, upcycled), ("upcycled, continued", n + m, continued),
-                                   (f"{UPCYCLED} from scratch", n + m, scratch)):
+        models = ((f"dense {DENSE}", n, dense), (f"dense {DENSE}, continued", n + m, dense_more),
+                  ("upcycled, before training", n, upcycled), ("upcycled, continued", n + m, continued),
+                  (f"{UPCYCLED} from scratch", n + m, scratch))
+        for name, steps, model in models:
             row = sweep(model, ["trained"], reference=reference, num_samples=eval_samples, batch_size=60,
                         num_inference_steps=sample_steps, seed=seed, classifier=out / "classifier",
                         cache_dir=out / "cache", bootstrap=0, progress=False, **features)["rows"][0]
             rows.append({"model": name, "training_steps": steps, "head_activation": row["realised_ratio"],
                          **{k: row[k] for k in ("fid", "sfid", "precision", "recall", "class_accuracy")}})
-        lines = [f"{eval_samples} images per model, {sample_steps} DDPM steps, guidance 1.5, the same seeds and labels; "
-                 f"the classifier scores {accuracy:.3f} on held-out real images (chance 1/12).", "",
+        lines = [f"{eval_samples} images per model, {sample_steps} DDPM steps, guidance 1.5, the same seeds and "
+                 f"labels; the classifier scores {accuracy:.3f} on held-out real images (chance 1/12).", "",
                  "| model | training steps | head activation | FID | sFID | precision | recall | class accuracy |",
                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['model']} | {r['training_steps']} | {r['head_activation']:.3f} | {r['fid']:.2f} | "

@@ -29,8 +29,8 @@ def test_help_lists_every_command_and_unknown_ones_are_refused(capsys):
     assert main([]) == 2
 
 
-def test_every_command_builds_its_parser_without_heavy_libraries():
-    code = ("import sys\nfrom moh_dit.commands import COMMANDS, build_parser\n"
+def test_the_package_and_every_commands_parser_load_no_heavy_library():
+    code = ("import sys, moh_dit\nfrom moh_dit.commands import COMMANDS, build_parser\n"
             "for name in COMMANDS:\n    assert build_parser(name).format_help().startswith(f'usage: moh-dit {name} ')\n"
             "heavy = {'torch', 'diffusers', 'accelerate', 'scipy', 'matplotlib', 'gradio'} & set(sys.modules)\n"
             "assert not heavy, heavy\n")

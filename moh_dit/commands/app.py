@@ -1,6 +1,6 @@
 """moh-dit app: sample a model in the browser at any head activation ratio.
 
-    pip install "moh-dit[app]"                # Gradio, once
+    pip install gradio                        # once
     moh-dit app --model demo_output/run       # then open http://127.0.0.1:7860
 """
 

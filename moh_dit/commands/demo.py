@@ -19,7 +19,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=PRESETS, default="MoH-DiT-Tiny/2")
     parser.add_argument("--image-size", type=int, choices=[12, 16, 24, 32, 48, 64], default=16, help="pixels")
     parser.add_argument("--images-per-class", type=at_least(1, 10_000), default=300)
+    parser.add_argument("--reference-per-class", type=at_least(1, 10_000), default=30, help="held-out images per class")
     parser.add_argument("--max-steps", type=at_least(1, 10**6), default=1400, help="training steps")
+    parser.add_argument("--batch-size", type=at_least(1, 4096), default=32, help="images per training step")
     parser.add_argument("--sample-steps", type=at_least(1, 1000), default=25, help="DDPM steps of every sample")
     parser.add_argument("--sweep-samples", type=at_least(4, 100_000), default=120, help="images per ratio")
     parser.add_argument("--inception-weights", help="torch-fidelity's weights file (default: a random InceptionV3)")
@@ -29,6 +31,4 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     from moh_dit.demo import demo
 
-    demo(args.output_dir, preset=args.preset, image_size=args.image_size, images_per_class=args.images_per_class,
-         max_steps=args.max_steps, sample_steps=args.sample_steps, sweep_samples=args.sweep_samples,
-         inception_weights=args.inception_weights, seed=args.seed)
+    demo(**{k: v for k, v in vars(args).items() if k not in ("debug", "log_level")})  # dests are its keywords

@@ -25,9 +25,12 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dense-steps", type=at_least(1, 10**6), default=900, help="N: dense steps before upcycling")
     parser.add_argument("--continue-steps", type=at_least(1, 10**6), default=300,
                         help="M: steps after upcycling, and of the baselines")
-    parser.add_argument("--router-warmup-steps", type=at_least(0, 10**6), default=30, help="of the M steps, routers only")
+    parser.add_argument("--router-warmup-steps", type=at_least(0, 10**6), default=30,
+                        help="of the M steps, routers only")
     parser.add_argument("--images-per-class", type=at_least(1, 10_000), default=300)
+    parser.add_argument("--reference-per-class", type=at_least(1, 10_000), default=30, help="held-out images per class")
     parser.add_argument("--eval-samples", type=at_least(4, 100_000), default=120, help="images per model")
+    parser.add_argument("--batch-size", type=at_least(1, 4096), default=32, help="images per training step")
     parser.add_argument("--sample-steps", type=at_least(1, 1000), default=25, help="DDPM steps of every sample")
     parser.add_argument("--inception-weights", help="torch-fidelity's weights file (default: a random InceptionV3)")
     parser.add_argument("--seed", type=at_least(0, 2**31 - 1), default=0)
@@ -36,7 +39,4 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     from moh_dit.demo import upcycle_demo
 
-    upcycle_demo(args.output_dir, dense_steps=args.dense_steps, continue_steps=args.continue_steps,
-                 router_warmup_steps=args.router_warmup_steps, images_per_class=args.images_per_class,
-                 eval_samples=args.eval_samples, sample_steps=args.sample_steps,
-                 inception_weights=args.inception_weights, seed=args.seed)
+    upcycle_demo(**{k: v for k, v in vars(args).items() if k not in ("debug", "log_level")})  # dests are its keywords
