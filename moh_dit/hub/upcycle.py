@@ -11,7 +11,6 @@ so the first forward is the dense model with each token's unselected heads remov
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -147,8 +146,8 @@ def load_dense(source: Any, preset: str | None = None, weights: str = "ema", sam
     else:
         path = Path(source).expanduser()
         folder = path / "transformer" if (path / "model_index.json").is_file() else path
-        config = folder / "config.json"
-        if config.is_file() and json.loads(config.read_text()).get("_class_name") == "MoHDiTTransformer2DModel":
+        config = MoHDiTTransformer2DModel.load_config(folder) if (folder / "config.json").is_file() else {}
+        if config.get("_class_name") == "MoHDiTTransformer2DModel":  # load_config's errors name the file
             model = MoHDiTTransformer2DModel.from_pretrained(folder)
         elif preset is None:
             raise ValueError(f"{source} needs preset (--preset), the dense DiT it holds (e.g. DiT-XL/2); only a "
