@@ -133,10 +133,11 @@ def _files_below(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir() and p.name != MARKER)
 
 
-def write_marker(folder: Path, command: str, finished: bool) -> None:
+def write_marker(folder: Path, command: str, finished: bool, foreign: frozenset[str] = frozenset()) -> None:
+    """``foreign``: files present that the command did not write (left out of the list)."""
     info = {"written_by": f"moh-dit {command}"}
     if finished:
-        info["files"] = _files_below(folder)
+        info["files"] = [name for name in _files_below(folder) if name not in foreign]
     write_json(folder / MARKER, info)
 
 
@@ -253,8 +254,12 @@ def output_folder(path: str | os.PathLike, command: str, *, overwrite: bool = Fa
         if exists and not (resume and marked_by(path) == f"moh-dit {command}"):
             _remove(path)
             exists = False
-        if exists:
+        foreign = frozenset()
+        if exists:  # resumed: a file that was there but not in the finished list is the user's
             remove_scratch(path)
+            listed = read_json(path / MARKER).get("files")
+            if listed is not None:
+                foreign = frozenset(_files_below(path)) - set(listed)
         path.mkdir(parents=True, exist_ok=True)
         if not exists:
             write_marker(path, command, finished=False)
@@ -264,4 +269,4 @@ def output_folder(path: str | os.PathLike, command: str, *, overwrite: bool = Fa
             if not exists and all(n in setup for n in _files_below(path)):
                 shutil.rmtree(path, ignore_errors=True)
             raise
-        write_marker(path, command, finished=True)
+        write_marker(path, command, finished=True, foreign=foreign)
