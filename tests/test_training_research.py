@@ -3,7 +3,6 @@ nothing and follows eager training; compiled runs are in test_compile.py), and a
 layout no preset names trained with --init-from and router warm-up, then resumed without a preset."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

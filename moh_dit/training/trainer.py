@@ -21,7 +21,6 @@ import importlib.util
 import json
 import logging
 import math
-import re
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -37,8 +36,6 @@ from .checkpoint import Checkpoint, umask_modes
 logger = logging.getLogger(__name__)
 RUN_RECORD = "train_config.json"
 DEFAULT_VAE = "stabilityai/sd-vae-ft-ema"
-LR_SCHEDULERS = ("constant_with_warmup", "constant", "linear", "cosine", "cosine_with_restarts", "polynomial")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # Dense peak TFLOP/s from the datasheets (bf16/fp16, TF32, fp32) by a fragment of the GPU's name,
 # for the MFU in the log; any other device gets a timed matmul.
 GPU_PEAK_TFLOPS = {"H200": (989.4, 494.7, 66.9), "H100 PCIe": (756.0, 378.0, 51.2), "H100": (989.4, 494.7, 66.9),
@@ -155,18 +152,9 @@ class TrainConfig:
 def train(cfg: TrainConfig) -> Path:
     """Train ``cfg``'s model and return ``OUT/final``, the exported EMA pipeline. Every process
     of an accelerate launch runs every line; the main process holds the run folder."""
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration, set_seed
+    from accelerate.utils import set_seed
 
-    if cfg.report_to not in (None, "none") and importlib.util.find_spec(cfg.report_to) is None:
-        raise ValueError(f"report_to {cfg.report_to} is not installed: pip install {cfg.report_to}, or report_to none")
-    report_to = cfg.report_to or ("tensorboard" if importlib.util.find_spec("tensorboard") else "none")
-    acc = Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.gradient_accumulation_steps
-                      or 1, log_with=None if report_to == "none" else report_to,
-                      project_config=ProjectConfiguration(cfg.output_dir, logging_dir=f"{cfg.output_dir}/logs"))
-    cfg = cfg.resolved(acc.num_processes, acc.gradient_accumulation_steps, acc.mixed_precision, report_to)
-    if acc.is_main_process and cfg.ema_warning():
-        logger.warning(cfg.ema_warning())
+    acc, cfg = _launch(cfg)
     inputs = {"data_dir": cfg.data_dir or cfg.latents_dir, "init_from": cfg.init_from,
               "vae": cfg.vae if Path(cfg.vae).is_dir() else None}
     setup = (RUN_RECORD, "train_log.jsonl", "head_usage.jsonl")
@@ -228,15 +216,7 @@ def train(cfg: TrainConfig) -> Path:
 
         # Finish: OUT/final, a pipeline folder of the EMA model.
         if acc.is_main_process:
-            from ..diffusion import make_scheduler
-            from .. import MoHDiTPipeline
-
-            # IDDPM clips predicted images to [-1, 1] in pixel space; DiT does not clip latents.
-            scheduler = make_scheduler("ddpm", clip_sample=space.decoder is None)
-            pipe = MoHDiTPipeline(transformer=parts.ema, scheduler=scheduler, vae=space.decoder)
-            with publish_folder(out / "final") as tmp:
-                pipe.save_pretrained(tmp, safe_serialization=True)
-                umask_modes(tmp)
+            _export(out / "final", parts.ema, space.decoder)
             if parts.images_skipped:
                 logger.info(f"Skipped {parts.images_skipped} unreadable images.")
         acc.wait_for_everyone()
@@ -245,6 +225,23 @@ def train(cfg: TrainConfig) -> Path:
 
 
 # ----- set up ---------------------------------------------------------------------------------
+
+def _launch(cfg: TrainConfig):
+    """The Accelerator of this launch and ``cfg`` resolved for it; a tracker asked for but not
+    installed is refused first (accelerate would only warn and train untracked)."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    if cfg.report_to not in (None, "none") and importlib.util.find_spec(cfg.report_to) is None:
+        raise ValueError(f"report_to {cfg.report_to} is not installed: pip install {cfg.report_to}, or report_to none")
+    report_to = cfg.report_to or ("tensorboard" if importlib.util.find_spec("tensorboard") else "none")
+    acc = Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.gradient_accumulation_steps
+                      or 1, log_with=None if report_to == "none" else report_to,
+                      project_config=ProjectConfiguration(cfg.output_dir, logging_dir=f"{cfg.output_dir}/logs"))
+    cfg = cfg.resolved(acc.num_processes, acc.gradient_accumulation_steps, acc.mixed_precision, report_to)
+    if acc.is_main_process and cfg.ema_warning():
+        logger.warning(cfg.ema_warning())
+    return acc, cfg
 
 class _Data:
     """The dataset and this process's share of its endless, resumable order."""
@@ -599,6 +596,18 @@ class _Log:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def _export(final: Path, ema, vae) -> None:
+    """``final``: a MoHDiTPipeline folder of the EMA model, published whole."""
+    from .. import MoHDiTPipeline
+    from ..diffusion import make_scheduler
+
+    # IDDPM clips predicted images to [-1, 1] in pixel space; DiT does not clip latents.
+    pipe = MoHDiTPipeline(transformer=ema, scheduler=make_scheduler("ddpm", clip_sample=vae is None), vae=vae)
+    with publish_folder(final) as tmp:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        umask_modes(tmp)
 
 
 def _cut_logs(out: Path, step: int) -> None:
