@@ -359,6 +359,7 @@ def test_the_command_line(tmp_path, data, capsys, refuses, monkeypatch):
     monkeypatch.setattr(trainer.importlib.util, "find_spec", lambda name: None)  # before any work
     refuses("train", argv + ["--report-to", "wandb"], "report_to wandb is not installed", status=1)
     monkeypatch.undo()
+    refuses("train", cli_args(data / "run", data, "--preset", "MoH-DiT-Tiny"), "overlap")  # never inside an input
     cli(*argv, "--dry-run")
     printed = json.loads(capsys.readouterr().out)
     assert (printed["global_batch_size"], printed["train_batch_size"], printed["vae"]) == (4, 4, "none")
