@@ -11,11 +11,11 @@ only torch, diffusers, numpy and PIL, so that an exported pipeline folder carrie
 
 from __future__ import annotations
 
+import copy
 import errno
 import inspect
 import math
 import numbers
-import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -140,13 +140,23 @@ class MoHDiTPipeline(DiffusionPipeline, SanaLoraLoaderMixin):
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     @classmethod
+    def from_pipe(cls, pipeline: DiffusionPipeline, **kwargs: Any) -> "MoHDiTPipeline":
+        """diffusers' ``from_pipe``, the transformer included: diffusers carries a model over only when
+        its class is the annotation's, and this file names no model class."""
+        return super().from_pipe(pipeline, **{"transformer": pipeline.transformer, **kwargs})
+
+    @classmethod
     def load_config(cls, *args: Any, **kwargs: Any):
-        """An exported folder names its pipeline file, ``["pipeline_moh_dit", "MoHDiTPipeline"]``;
-        loading it through this class uses this class, running none of the folder's code."""
+        """An exported folder names its own files, ``["pipeline_moh_dit", "MoHDiTPipeline"]`` and the
+        transformer's ``["transformer_moh_dit", ...]``, for ``DiffusionPipeline.from_pretrained(...,
+        trust_remote_code=True)``. Loaded through this class, this class and the installed model class
+        are used instead, and none of the folder's code runs."""
         loaded = super().load_config(*args, **kwargs)
         config = loaded[0] if isinstance(loaded, tuple) else loaded
         if isinstance(config.get("_class_name"), list):
             config["_class_name"] = config["_class_name"][1]
+            if config.get("transformer", [None])[0] == "transformer_moh_dit":
+                config["transformer"] = ["moh_dit.models.transformer_moh_dit", config["transformer"][1]]
         return loaded
 
     @classmethod
@@ -176,9 +186,11 @@ class MoHDiTPipeline(DiffusionPipeline, SanaLoraLoaderMixin):
         else case-insensitively when that is unambiguous."""
         labels, ids = self.labels, []
         for item in _flatten(label):
-            if not isinstance(item, str):
-                ids.append(operator.index(item))  # an int, not a float that would be cut
+            if isinstance(item, numbers.Integral):
+                ids.append(int(item))
                 continue
+            if not isinstance(item, str):
+                raise ValueError(f"class label {item!r} is neither a class id nor a name.")
             key = item.strip()
             found = [key] if key in labels else [n for n in labels if n.casefold() == key.casefold()]
             if len(found) != 1:
@@ -283,7 +295,7 @@ class MoHDiTPipeline(DiffusionPipeline, SanaLoraLoaderMixin):
         last), one ratio per step, or a function of the timestep. None for one ratio (or None)."""
         if ratio is None or isinstance(ratio, numbers.Real):
             return None
-        scheduler = type(self.scheduler).from_config(self.scheduler.config)  # the call's timesteps, from a copy
+        scheduler = copy.deepcopy(self.scheduler)  # the call's timesteps, from a copy
         if timesteps is None:
             scheduler.set_timesteps(num_inference_steps)
         else:

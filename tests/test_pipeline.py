@@ -1,8 +1,8 @@
-"""MoHDiTPipeline on tiny models: outputs, determinism, DiT's samplers, head activation,
-save/load (pixel space and with a VAE), labels, bad input, CPU offload, and the diffusers
-conventions (schedulers swapped with from_config, step callbacks, from_pipe, DiffusionPipeline loading)."""
+"""MoHDiTPipeline on tiny models: DiT's samplers (DDPM, DDIM, clipped, respaced), images that do not
+depend on their batch, the head activation ratio per call and per step, head usage, labels, the
+one check of the inputs, schedulers swapped the diffusers way, save/load and CPU offload."""
 
-import inspect
+import math
 
 import numpy as np
 import PIL.Image
@@ -11,16 +11,40 @@ import torch
 from diffusers import (AutoencoderKL, DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler,
                        EulerAncestralDiscreteScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler,
                        HeunDiscreteScheduler, PNDMScheduler, UniPCMultistepScheduler)
-from diffusers.callbacks import PipelineCallback
 
-from moh_dit import MoHDiTPipeline, MoHDiTPipelineOutput, MoHDiTTransformer2DModel
-from moh_dit.errors import InvalidInput
-from moh_dit.models.head_schedule import plan_head_activation
-from moh_dit.diffusion.gaussian_diffusion import create_diffusion, space_timesteps
-from moh_dit.pipelines.pipeline_moh_dit import imagenet_id2label, make_scheduler
+from moh_dit.diffusion import create_diffusion, space_timesteps
+from moh_dit.models import MoHDiTTransformer2DModel
+from moh_dit.pipelines import MoHDiTPipeline, MoHDiTPipelineOutput, make_scheduler
 
 STEPS = 3
 NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship, boat", "truck"]
+
+
+def test_output_types_and_shapes(tiny_pipe):
+    pipe = tiny_pipe()
+    out = pipe([1, 2, 3], guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1, 2], output_type="np")
+    assert isinstance(out, MoHDiTPipelineOutput)
+    assert out.images.shape == (3, 8, 8, 3) and out.images.min() >= 0 and out.images.max() <= 1
+    assert out.images.std() > 0.01  # random weights: a non-trivial image
+    assert [u.shape for u in out.head_usage] == [(4,)] * 6
+    assert out.head_activation_ratio == pytest.approx(0.75) and out.head_activation_ratios == [0.75] * STEPS
+    pil = pipe([1], 1.0, None, STEPS, seeds=[0]).images  # DiTPipeline's positional order
+    assert isinstance(pil[0], PIL.Image.Image) and pil[0].size == (8, 8)
+    pt = pipe([1], num_inference_steps=STEPS, seeds=[0], output_type="pt").images
+    assert pt.shape == (1, 3, 8, 8)
+    (latent,) = pipe([1], num_inference_steps=STEPS, seeds=[0], output_type="latent", return_dict=False)
+    torch.testing.assert_close(pt, (latent / 2 + 0.5).clamp(0, 1))
+
+
+def test_defaults_and_positional_order_are_dit_pipelines():
+    import inspect
+
+    from diffusers import DiTPipeline
+
+    ours, theirs = (inspect.signature(c.__call__).parameters for c in (MoHDiTPipeline, DiTPipeline))
+    assert list(ours)[:7] == list(theirs)[:7]  # self, class_labels, guidance_scale, generator, steps, output, return_dict
+    assert all(ours[n].default == theirs[n].default for n in list(theirs)[2:7])
+    assert all(p.kind is p.KEYWORD_ONLY for p in list(ours.values())[7:])
 
 
 def count_forward(model):
@@ -34,22 +58,6 @@ def count_forward(model):
     model.forward = counted
     return calls
 
-
-def test_output_types_and_shapes(tiny_pipe):
-    pipe = tiny_pipe()
-    out = pipe([1, 2, 3], guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1, 2], output_type="np")
-    assert isinstance(out, MoHDiTPipelineOutput)
-    assert out.images.shape == (3, 8, 8, 3) and out.images.min() >= 0 and out.images.max() <= 1
-    assert out.images.std() > 0.01  # random weights: a non-trivial image
-    assert [u.shape for u in out.head_usage] == [(4,)] * 6
-    assert out.head_activation_ratio == pytest.approx(0.75)
-    pil = pipe([1], guidance_scale=1.0, num_inference_steps=STEPS, seeds=[0]).images
-    assert isinstance(pil[0], PIL.Image.Image) and pil[0].size == (8, 8)
-    pt = pipe([1], num_inference_steps=STEPS, seeds=[0], output_type="pt").images
-    assert pt.shape == (1, 3, 8, 8)
-    # return_dict=False: (images,) like every diffusers pipeline; head usage and ratio live on the output object.
-    (latent,) = pipe([1], num_inference_steps=STEPS, seeds=[0], output_type="latent", return_dict=False)
-    torch.testing.assert_close(pt, (latent / 2 + 0.5).clamp(0, 1))
 
 
 def test_generator_determinism(tiny_pipe):
@@ -138,127 +146,6 @@ def test_no_unconditional_half_without_guidance(tiny_pipe):
     assert seen == [2, 2, 4, 4]
 
 
-def test_head_activation_ratio_per_call(tiny_pipe):
-    pipe = tiny_pipe()
-    model = pipe.transformer
-    model.set_head_activation_ratio(0.875)  # a non-trained setting the call must give back
-    before = model.top_k_per_layer
-    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="latent")
-    low = pipe([1, 2], head_activation_ratio=0.5, **kwargs)
-    assert model.top_k_per_layer == before
-    default = pipe([1, 2], **kwargs)
-    assert low.head_activation_ratio == pytest.approx(0.5)
-    assert default.head_activation_ratio == pytest.approx(0.875)
-    heads = torch.tensor([4.0] * 6)
-    # Head-weighted usage of the run equals the realised ratio (every token uses hs + K heads).
-    for out in (low, default):
-        used = sum(u.sum() for u in out.head_usage) / heads.sum()
-        assert used.item() == pytest.approx(out.head_activation_ratio, abs=1e-6)
-    assert (low.images - default.images).abs().max() > 1e-4
-
-
-def record_head_usage_requests(model):
-    """Wrap ``model.forward``: the ``output_head_usage`` of each call."""
-    asked, original = [], model.forward
-
-    def forward(*args, **kwargs):
-        asked.append(kwargs.get("output_head_usage", False))
-        return original(*args, **kwargs)
-
-    model.forward = forward
-    return asked
-
-
-def test_head_usage_only_when_asked(tiny_pipe):
-    """``output_head_usage=False``: no transformer call computes routing statistics, the output
-    has no usage, and the images are the same as with it."""
-    pipe = tiny_pipe()
-    asked = record_head_usage_requests(pipe.transformer)
-    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], head_activation_ratio=0.5,
-                  output_type="latent")
-    with_usage = pipe([1, 2], **kwargs)
-    assert asked == [True] * STEPS and len(with_usage.head_usage) == 6  # the default keeps the usage
-    asked.clear()
-    without = pipe([1, 2], output_head_usage=False, **kwargs)
-    assert asked == [False] * STEPS
-    assert without.head_usage is None and without.head_activation_ratio == with_usage.head_activation_ratio
-    torch.testing.assert_close(without.images, with_usage.images, rtol=0, atol=0)
-    (images,) = pipe([1, 2], output_head_usage=False, return_dict=False, **kwargs)
-    torch.testing.assert_close(images, with_usage.images, rtol=0, atol=0)
-
-
-def test_ratio_and_train_mode_restored_on_error(tiny_pipe):
-    pipe = tiny_pipe()
-    model = pipe.transformer.train()
-    before = model.top_k_per_layer
-
-    def boom(*args, **kwargs):
-        raise RuntimeError("scheduler failed")
-
-    pipe.scheduler.step = boom
-    with pytest.raises(RuntimeError, match="scheduler failed"):
-        pipe([1], head_activation_ratio=1.0, num_inference_steps=STEPS, seeds=[0])
-    assert model.top_k_per_layer == before and model.training
-
-
-def test_train_mode_model_samples_like_eval(tiny_pipe):
-    """Label dropout must not act while sampling; the model's mode is given back."""
-    pipe = tiny_pipe(class_dropout_prob=0.9)
-    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="latent")
-    ref = pipe([1, 2], **kwargs).images
-    pipe.transformer.train()
-    torch.testing.assert_close(pipe([1, 2], **kwargs).images, ref)
-    assert pipe.transformer.training
-
-
-def test_save_load_roundtrip_pixel_space(tmp_path, tiny_pipe):
-    pipe = tiny_pipe(class_names=NAMES)
-    pipe.scheduler = make_scheduler("ddpm", clip_sample=True)
-    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="pt")
-    ref = pipe(["cat", "boat"], **kwargs).images
-    pipe.save_pretrained(tmp_path)
-    loaded = MoHDiTPipeline.from_pretrained(tmp_path)
-    assert loaded.vae is None and isinstance(loaded.scheduler, DDPMScheduler)
-    assert loaded.scheduler.config.clip_sample is True
-    assert loaded.id2label == dict(enumerate(NAMES)) and loaded.config.id2label == pipe.config.id2label
-    torch.testing.assert_close(loaded(["cat", "boat"], **kwargs).images, ref, rtol=0, atol=0)
-
-
-def test_custom_id2label_saved(tmp_path, tiny_pipe):
-    pipe = MoHDiTPipeline(transformer=tiny_pipe().transformer, scheduler=make_scheduler("ddim"),
-                          id2label={0: "zero", "9": "nine"})
-    pipe.save_pretrained(tmp_path)
-    loaded = MoHDiTPipeline.from_pretrained(tmp_path)
-    assert loaded.id2label == {0: "zero", 9: "nine"} and isinstance(loaded.scheduler, DDIMScheduler)
-    assert loaded.get_label_ids(["Nine", 3]) == [9, 3]
-
-
-def test_vae_pipeline_and_roundtrip(tmp_path, tiny_pipe, tiny_vae):
-    pipe = tiny_pipe(seed=2, in_channels=4, vae=tiny_vae(seed=5, std=0.1))
-    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="pt")
-    out = pipe([1, 9], **kwargs)
-    assert out.images.shape == (2, 3, 16, 16)  # 8x8x4 latents, VAE downsampling 2
-    latents = pipe([1, 9], **{**kwargs, "output_type": "latent"}).images
-    with torch.no_grad():
-        decoded = pipe.vae.decode(latents / pipe.vae.config.scaling_factor).sample
-    torch.testing.assert_close(out.images, (decoded / 2 + 0.5).clamp(0, 1))
-    pipe.save_pretrained(tmp_path)
-    loaded = MoHDiTPipeline.from_pretrained(tmp_path)
-    assert isinstance(loaded.vae, AutoencoderKL)
-    torch.testing.assert_close(loaded([1, 9], **kwargs).images, out.images, rtol=0, atol=0)
-
-
-def test_model_cpu_offload(tiny_pipe, tiny_vae):
-    """Offload hooks run on a CPU-only machine with device="cpu" (on a GPU machine the
-    default accelerator is used); the output must not change and the models end on the CPU."""
-    pipe = tiny_pipe(seed=2, in_channels=4, vae=tiny_vae(seed=5, std=0.1))
-    kwargs = dict(guidance_scale=1.5, num_inference_steps=2, seeds=[0], output_type="pt")
-    ref = pipe([3], **kwargs).images
-    pipe.enable_model_cpu_offload(device="cpu")
-    torch.testing.assert_close(pipe([3], **kwargs).images, ref)
-    assert pipe._execution_device.type == "cpu"
-    assert next(pipe.transformer.parameters()).device.type == "cpu"
-
 
 def record_steps(scheduler):
     """Wrap ``scheduler.step``: each call's (model_output, t, sample, prev_sample)."""
@@ -297,214 +184,181 @@ def test_other_schedulers_use_eps_half(tiny_pipe):
         torch.testing.assert_close(out.images, prev, rtol=0, atol=0)
 
 
+
+def test_ddim_is_dit_ddim(tiny_pipe):
+    """make_scheduler("ddim") through the pipeline equals DDIM (eta 0) written from its formula,
+    x_prev = sqrt(a_prev) x0_pred + sqrt(1 - a_prev) eps, on DiT's strided timesteps ("ddim10":
+    0, 100, ..., 900; a linspace spacing would take 999, 888, ...)."""
+    pipe = tiny_pipe()
+    pipe.scheduler = make_scheduler("ddim")
+    model, steps = pipe.transformer, 10
+    abar = torch.from_numpy(np.cumprod(1 - np.linspace(1e-4, 0.02, 1000)))
+    x = torch.randn((1, 3, 8, 8), generator=torch.Generator().manual_seed(4)).double()
+    timesteps = list(range(0, 1000, 100))[::-1]
+    with torch.no_grad():
+        for i, t in enumerate(timesteps):
+            eps = model(x.float(), torch.tensor([t]), torch.tensor([3])).sample[:, :3].double()
+            a, a_prev = abar[t], abar[timesteps[i + 1]] if i + 1 < steps else torch.tensor(1.0, dtype=torch.float64)
+            x0 = (x - (1 - a).sqrt() * eps) / a.sqrt()
+            x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps
+    ours = pipe([3], guidance_scale=1.0, num_inference_steps=steps, seeds=[4], output_type="latent").images
+    torch.testing.assert_close(ours.double(), x, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- head activation
+def run(pipe, ratio, **kwargs):
+    """The output and the model's per-layer top-K at every transformer call."""
+    calls = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(module.top_k_per_layer))
+    try:
+        out = pipe([0, 1], guidance_scale=1.5, num_inference_steps=4, head_activation_ratio=ratio, seeds=[3, 4],
+                   output_type="np", **kwargs)
+    finally:
+        handle.remove()
+    return out, calls
+
+
+def test_head_activation_ratio_per_call(tiny_pipe):
+    pipe = tiny_pipe()
+    model = pipe.transformer
+    model.set_head_activation_ratio(0.875)  # a non-trained setting the call must give back
+    before = model.top_k_per_layer
+    low, low_calls = run(pipe, 0.5)
+    assert model.top_k_per_layer == before and low_calls == [model.layout.top_k_for_ratio(0.5)] * 4
+    default, _ = run(pipe, None)
+    assert low.head_activation_ratio == pytest.approx(0.5) and default.head_activation_ratio == pytest.approx(0.875)
+    # Head-weighted usage of the run equals the realised ratio (every token uses hs + K heads).
+    for out in (low, default):
+        used = sum(u.sum() for u in out.head_usage) / 24
+        assert used.item() == pytest.approx(out.head_activation_ratio, abs=1e-6)
+    assert np.abs(low.images - default.images).max() > 1e-4
+
+
+def test_a_ratio_per_step(tiny_pipe):
+    """``linear:A:B`` from the first (noisiest) step to the last, a list, a function of the timestep:
+    the model's top-K changes at every step as asked, and a constant schedule is the number."""
+    pipe = tiny_pipe(seed=2)
+    model = pipe.transformer
+    out, calls = run(pipe, "linear:0.5:1.0")
+    requested = [0.5, 2 / 3, 5 / 6, 1.0]  # timesteps 999, 666, 333, 0
+    assert calls == [model.layout.top_k_for_ratio(r) for r in requested]
+    assert out.head_activation_ratios == [model.layout.activation_ratio(k) for k in calls]
+    assert out.head_activation_ratio == pytest.approx(sum(out.head_activation_ratios) / 4)
+    for same in ([0.5, 2 / 3, 5 / 6, 1.0], lambda t: 0.5 + 0.5 * (999 - t) / 999):
+        np.testing.assert_array_equal(run(pipe, same)[0].images, out.images)
+    constant, _ = run(pipe, 0.75)
+    for schedule in ("linear:0.75:0.75", [0.75] * 4, lambda t: 0.75):
+        np.testing.assert_array_equal(run(pipe, schedule)[0].images, constant.images)
+    assert np.abs(out.images - constant.images).max() > 1e-3  # about the same mean ratio, other images
+    assert model.top_k_per_layer == list(model.layout.top_k)  # restored
+
+
+def test_head_usage_only_when_asked(tiny_pipe):
+    """``output_head_usage=False``: no transformer call computes routing statistics, the output has
+    no usage, and the images are the same as with it."""
+    pipe = tiny_pipe()
+    asked, original = [], pipe.transformer.forward
+    pipe.transformer.forward = lambda *a, **k: asked.append(k.get("output_head_usage")) or original(*a, **k)
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], head_activation_ratio=0.5,
+                  output_type="latent")
+    with_usage = pipe([1, 2], **kwargs)
+    assert asked == [True] * STEPS and len(with_usage.head_usage) == 6
+    asked.clear()
+    without = pipe([1, 2], output_head_usage=False, **kwargs)
+    assert asked == [False] * STEPS and without.head_usage is None
+    torch.testing.assert_close(without.images, with_usage.images, rtol=0, atol=0)
+
+
+def test_ratio_and_train_mode_restored_on_error(tiny_pipe):
+    """Label dropout never acts while sampling (eval mode), and the model's mode and top-K are given
+    back, also when a step fails."""
+    pipe = tiny_pipe(class_dropout_prob=0.9)
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="latent")
+    ref = pipe([1, 2], **kwargs).images
+    model = pipe.transformer.train()
+    torch.testing.assert_close(pipe([1, 2], **kwargs).images, ref)
+    before = model.top_k_per_layer
+
+    def fail(pipe_, index, t, callback_kwargs):
+        raise RuntimeError("stop")
+
+    for ratio in (1.0, "linear:0.5:1"):
+        with pytest.raises(RuntimeError, match="stop"):
+            pipe([1], head_activation_ratio=ratio, num_inference_steps=STEPS, seeds=[0], callback_on_step_end=fail)
+        assert model.top_k_per_layer == before and model.training
+
+
+# ---------------------------------------------------------------- labels and inputs
 def test_label_names(tiny_pipe):
     pipe = tiny_pipe(class_names=NAMES)
     assert pipe.get_label_ids(["Cat", " DOG ", "ship", "boat", 0, np.int64(4), torch.tensor(7)]) == [3, 5, 8, 8, 0, 4, 7]
-    assert pipe.get_label_ids("truck") == [9]
-    assert pipe.get_label_ids(10) == [10]  # the null class: an unconditional sample
-    assert pipe.labels["boat"] == 8
+    assert pipe.get_label_ids("truck") == [9] and pipe.get_label_ids(10) == [10]  # 10: the null class
+    assert pipe.labels["boat"] == 8 and pipe.id2label[8] == "ship, boat"
+    other = MoHDiTPipeline(transformer=pipe.transformer, scheduler=pipe.scheduler,
+                           id2label={264: "Cardigan", 474: "cardigan"})
+    assert other.get_label_ids(["Cardigan", "cardigan"]) == [264, 474]
+    for bad in ("CARDIGAN", "kat"):  # ambiguous, unknown
+        with pytest.raises(ValueError):
+            other.get_label_ids(bad)
+    with pytest.raises(ValueError):
+        tiny_pipe().get_label_ids("cat")  # no names
 
 
-def test_imagenet_names_by_default(randomize, tiny_pipe):
-    model = randomize(MoHDiTTransformer2DModel.from_preset("DiT-Tiny", sample_size=8, num_classes=1000)).eval()
-    pipe = MoHDiTPipeline(transformer=model, scheduler=make_scheduler("ddpm"))
-    assert pipe.id2label == imagenet_id2label() and len(pipe.id2label) == 1000
-    assert pipe.get_label_ids(["golden retriever", "Tench", "Cardigan", "cardigan"]) == [207, 0, 264, 474]
-    with pytest.raises(ValueError, match=r"ambiguous: 264 \('Cardigan'\), 474 \('cardigan'\)"):
-        pipe.get_label_ids("CARDIGAN")
-    out = pipe(["tench", 1000], guidance_scale=1.5, num_inference_steps=2, seeds=[0, 1], output_type="latent")
-    assert out.head_activation_ratio == 1.0 and all((u == 1).all() for u in out.head_usage)
-    # No names for a 10-class model without class_names.
-    with pytest.raises(ValueError, match="no class names"):
-        tiny_pipe().get_label_ids("cat")
-
-
-@pytest.mark.parametrize(
-    "kwargs, parameter, fact",
-    [
-        (dict(class_labels=["kat"]), "class_labels", "'cat'"),  # the close name is suggested
-        (dict(class_labels=[11]), "class_labels", "0..9"),
-        (dict(class_labels=[-1]), "class_labels", "-1"),
-        (dict(class_labels=[]), "class_labels", "empty"),
-        (dict(class_labels=[1.5]), "class_labels", "1.5"),
-        (dict(class_labels=[1], head_activation_ratio=0.1), "head_activation_ratio", "[0.5000, 1.0000]"),
-        (dict(class_labels=[1], head_activation_ratio=float("nan")), "head_activation_ratio", "nan"),
-        (dict(class_labels=[1], head_activation_ratio="linear:0.1:1"), "head_activation_ratio", "0.1000 at step 0"),
-        (dict(class_labels=[1], head_activation_ratio=[1.0, 0.5]), "head_activation_ratio", "2 per-step ratios"),
-        (dict(class_labels=[1], guidance_scale=0.5), "guidance_scale", "0.5"),
-        # inf used to sample to all-NaN latents, returned as black images.
-        (dict(class_labels=[1], guidance_scale=float("inf")), "guidance_scale", "inf"),
-        (dict(class_labels=[1], guidance_scale=float("nan")), "guidance_scale", "nan"),
-        (dict(class_labels=[1], guidance_scale="2"), "guidance_scale", "'2'"),
-        (dict(class_labels=[1], num_inference_steps=0), "num_inference_steps", "got 0"),
-        (dict(class_labels=[1], num_inference_steps=1001), "num_inference_steps", "1..1000"),
-        (dict(class_labels=[1], num_inference_steps=2.0), "num_inference_steps", "2.0"),
-        (dict(class_labels=[1], timesteps=[500, 999], num_inference_steps=None), "timesteps", "[500, 999]"),
-        (dict(class_labels=[1], timesteps=[1000, 5], num_inference_steps=None), "timesteps", "[0, 999]"),
-        (dict(class_labels=[1], timesteps=[], num_inference_steps=None), "timesteps", "[]"),
-        (dict(class_labels=[1], eta=float("nan")), "eta", "nan"),
-        (dict(class_labels=[1], eta=1.5), "eta", "1.5"),
-        (dict(class_labels=[1], seeds=[1.5]), "seeds", "1.5"),
-        (dict(class_labels=[1], seeds=[2**64]), "seeds", str(2**64)),
-        (dict(class_labels=[1], latents=torch.full((1, 3, 8, 8), float("nan"))), "latents", "NaN"),
-        (dict(class_labels=[1], guidance_channels="first3"), "guidance_channels", "'first3'"),
-        (dict(class_labels=[1, 2], seeds=[0]), "seeds", "2 class labels"),
-        (dict(class_labels=[1], seeds=[0], generator=torch.Generator()), "generator", "seeds"),
-        (dict(class_labels=[1, 2], generator=[torch.Generator()]), "generator", "2 class labels"),
-        (dict(class_labels=[1], output_type="jpg"), "output_type", "'jpg'"),
-        (dict(class_labels=[1], latents=torch.zeros(1, 3, 4, 4)), "latents", "(1, 3, 8, 8)"),
-        (dict(class_labels=[1], timesteps=[999, 500, 0], num_inference_steps=None), "timesteps", "DDIMScheduler"),
-    ],
-)
-def test_bad_input_raises_before_compute(kwargs, parameter, fact, tiny_pipe):
-    """Every bad argument is refused by check_inputs before any compute: an InvalidInput (a
-    ValueError) whose ``parameters`` name it, and whose message holds the value or limit."""
+@pytest.mark.parametrize("kwargs", [
+    dict(class_labels=[11]), dict(class_labels=[-1]), dict(class_labels=[]), dict(class_labels=[[]]),
+    dict(class_labels=[1.5]), dict(head_activation_ratio=0.1), dict(head_activation_ratio=float("nan")),
+    dict(head_activation_ratio="linear:0.1:1"), dict(head_activation_ratio="cosine:1:0.5"),
+    dict(head_activation_ratio=[1.0, 0.5]), dict(head_activation_ratio=[0.75, 0.75, 1.5]),
+    dict(head_activation_ratio=lambda t: 0.2), dict(guidance_scale=0.5), dict(guidance_scale=float("inf")),
+    dict(guidance_scale=float("nan")), dict(guidance_scale="2"), dict(num_inference_steps=0),
+    dict(num_inference_steps=1001), dict(num_inference_steps=2.0),
+    dict(timesteps=[500, 999], num_inference_steps=None), dict(timesteps=[1000, 5], num_inference_steps=None),
+    dict(timesteps=[], num_inference_steps=None), dict(eta=float("nan")), dict(eta=1.5),
+    dict(guidance_channels="first3"), dict(class_labels=[1, 2], seeds=[0]),
+    dict(seeds=[0], generator=torch.Generator()), dict(class_labels=[1, 2], generator=[torch.Generator()]),
+    dict(output_type="jpg"), dict(latents=torch.zeros(1, 3, 4, 4)), dict(callback_on_step_end_tensor_inputs=["noise"]),
+    dict(timesteps=[999, 500, 0], num_inference_steps=None, scheduler="ddim"),
+])
+def test_bad_input_is_refused_before_any_compute(kwargs, tiny_pipe):
+    """check_inputs, the call's first act, refuses every bad argument with a ValueError and leaves
+    the model as it was."""
     pipe = tiny_pipe(class_names=NAMES)
-    if fact == "DDIMScheduler":  # custom timesteps: fine for DDPM, refused by DDIM
+    if kwargs.pop("scheduler", None):  # custom timesteps: DDPM takes them, DDIM does not
         pipe.scheduler = make_scheduler("ddim")
     calls = count_forward(pipe.transformer)
     before = pipe.transformer.top_k_per_layer
-    with pytest.raises(InvalidInput) as caught:
-        pipe(**{"num_inference_steps": STEPS, **kwargs})
-    assert parameter in caught.value.parameters and fact in str(caught.value), (caught.value.parameters, caught.value)
+    with pytest.raises(ValueError):
+        pipe(**{"class_labels": [1], "num_inference_steps": STEPS, **kwargs})
     assert not calls and pipe.transformer.top_k_per_layer == before
 
 
-def test_a_python_caller_reads_parameters_and_a_command_its_flags(tiny_pipe, load_script, tmp_path, capsys):
-    """The library names the parameter (never a flag); moh-dit sample shows the same check of the
-    same value with its flag."""
-    pipe = tiny_pipe()
-    for kwargs, parameter in ((dict(num_inference_steps=5000), "num_inference_steps"),
-                              (dict(head_activation_ratio=0.2), "head_activation_ratio")):
-        with pytest.raises(InvalidInput) as caught:
-            pipe([1], **kwargs)
-        assert parameter in str(caught.value) and "--" not in str(caught.value)
-    pipe.transformer.save_pretrained(tmp_path / "model")
-    base = ["--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "out"), "--num-samples", "1"]
-    for flag, value, parameter in (("--num-inference-steps", "5000", "num_inference_steps"),
-                                   ("--head-activation-ratio", "0.2", "head_activation_ratio")):
-        assert load_script("sample").cli(base + [flag, value]) == 1
-        err = capsys.readouterr().err
-        assert f"{flag}={value}" in err and parameter not in err, err
-    assert not (tmp_path / "out").exists()
-
-
-def test_check_inputs_is_callable_alone_and_its_plan_is_the_calls(tiny_pipe, monkeypatch):
-    """check_inputs runs nothing; for a schedule it returns the plan, and a call plans (and
-    copies the scheduler) once, in its check."""
-    import moh_dit.pipelines.pipeline_moh_dit as module
-
+def test_check_inputs_is_callable_alone(tiny_pipe):
     pipe = tiny_pipe()
     calls = count_forward(pipe.transformer)
-    assert pipe.check_inputs([1, 2], 1.5, 250, head_activation_ratio=0.6, seeds=[0, 1]) is None  # valid, one ratio
-    plan = pipe.check_inputs([1], 1.5, 4, head_activation_ratio="linear:0.5:1.0")
-    assert plan.requested == pytest.approx([0.5, 2 / 3, 5 / 6, 1.0]) and plan.timesteps == [999, 666, 333, 0]
-    with pytest.raises(InvalidInput) as caught:
+    assert pipe.check_inputs([1, 2], 1.5, 250, head_activation_ratio=0.6, seeds=[0, 1]) is None  # one ratio
+    assert pipe.check_inputs([1], 1.5, 4, head_activation_ratio="linear:0.5:1.0") == pytest.approx([0.5, 2 / 3, 5 / 6, 1])
+    assert pipe.check_inputs([1], 1.5, None, head_activation_ratio=lambda t: t / 1000, timesteps=[999, 500]) == \
+        [0.999, 0.5]
+    with pytest.raises(ValueError):
         pipe.check_inputs([1], float("inf"), 2)
-    assert caught.value.parameters == ("guidance_scale",)
     assert not calls
-    planned, copied = [], []
-    monkeypatch.setattr(module, "plan_head_activation",
-                        lambda *a: planned.append(1) or plan_head_activation(*a))
-    deepcopy = module.copy.deepcopy
-    monkeypatch.setattr(module.copy, "deepcopy", lambda x, *a: copied.append(type(x).__name__) or deepcopy(x, *a))
-    out = pipe([1], guidance_scale=1.5, num_inference_steps=4, head_activation_ratio="linear:0.5:1.0", seeds=[0],
-               output_type="latent")
-    assert len(planned) == 1 and [name for name in copied if name.endswith("Scheduler")] == ["DDPMScheduler"]
-    assert out.head_activation_ratios == plan.realised
 
 
-def test_non_finite_latents_name_the_step(tiny_pipe):
-    """A NaN that appears mid-run is an error naming the step, not a black image."""
-    pipe = tiny_pipe()
-    calls = []
-
-    def poison(module, args, output):  # NaN out of the third transformer call (step index 2)
-        calls.append(1)
-        if len(calls) == 3:
-            output.sample.fill_(float("nan"))
-        return output
-
-    handle = pipe.transformer.register_forward_hook(poison)
-    pipe.scheduler.set_timesteps(5)
-    timestep = int(pipe.scheduler.timesteps[2])
-    with pytest.raises(ValueError, match=rf"NaN/inf latents at step 3 of 5 \(step index 2, timestep {timestep}\)"):
-        pipe([1], guidance_scale=1.5, num_inference_steps=5, seeds=[0])
-    assert len(calls) == 3  # on the CPU the run stops at the bad step
-    handle.remove()
-    # A finite but huge guidance scale overflows float32 at the first step.
-    with pytest.raises(ValueError, match=r"step 1 of 2 .*guidance_scale=1e\+300"):
-        pipe([1], guidance_scale=1e300, num_inference_steps=2, seeds=[0])
-    assert pipe.transformer.top_k_per_layer == pipe.transformer.trained_top_k  # state restored
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_non_finite_latents_on_cuda_are_found_after_the_loop(tiny_pipe):
-    """On CUDA the check makes no per-step host sync: the run goes on to the end, and the error
-    still names the first bad step."""
-    pipe = tiny_pipe().to("cuda")
-    calls = []
-
-    def poison(module, args, output):
-        calls.append(1)
-        if len(calls) == 2:
-            output.sample.fill_(float("nan"))
-        return output
-
-    pipe.transformer.register_forward_hook(poison)
-    with pytest.raises(ValueError, match=r"at step 2 of 4 \(step index 1, "):
-        pipe([1], guidance_scale=1.5, num_inference_steps=4, seeds=[0])
-    assert len(calls) == 4
-
-
-def test_deferred_finite_watch_names_first_bad_step():
-    """The accelerator path (no per-step host sync) keeps the first bad step on the device."""
-    from moh_dit.pipelines.finite_watch import FiniteWatch
-
-    watch = FiniteWatch(torch.device("cpu"), 6, eager=False)
-    good, bad = torch.zeros(2, 3), torch.tensor([[0.0, float("inf"), 0.0]])
-    for index, x in enumerate([good, good, good, bad, good, bad]):
-        assert watch.update(index, x) is False  # never asks to stop: that would need a sync
-    assert torch.is_tensor(watch.first_bad) and watch.first_bad_step() == 3
-    clean = FiniteWatch(torch.device("cpu"), 3, eager=False)
-    for index in range(3):
-        clean.update(index, good)
-    assert clean.first_bad_step() is None
-
-
-def test_scheduler_model_mismatch_rejected(randomize):
-    fixed = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, learn_sigma=False)).eval()
-    pipe = MoHDiTPipeline(transformer=fixed, scheduler=make_scheduler("ddpm"))
-    with pytest.raises(ValueError, match="does not learn sigma"):
+def test_a_latent_model_needs_its_vae_or_latent_output(randomize):
+    model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, in_channels=4)).eval()
+    pipe = MoHDiTPipeline(transformer=model, scheduler=make_scheduler())
+    with pytest.raises(ValueError):
         pipe([1], num_inference_steps=2)
-    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)  # eps only: fine without variance channels
-    assert pipe([1], num_inference_steps=2, seeds=[0], output_type="latent").images.shape == (1, 3, 8, 8)
+    assert pipe([1], num_inference_steps=2, output_type="latent").images.shape == (1, 4, 8, 8)
 
 
-def test_constructor_checks(randomize, tiny_pipe):
-    latent_model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, in_channels=4))
-    with pytest.raises(InvalidInput) as caught:  # a latent model without its VAE
-        MoHDiTPipeline(transformer=latent_model, scheduler=make_scheduler())
-    assert caught.value.parameters == ("vae",) and "4-channel" in str(caught.value)
-    with pytest.raises(InvalidInput) as caught:
-        tiny_pipe().__class__(transformer=tiny_pipe().transformer, scheduler=make_scheduler(),
-                                       id2label={10: "x"})
-    assert caught.value.parameters == ("id2label",) and "id 10" in str(caught.value)
-
-
-# ---------------------------------------------------------------- diffusers conventions
-
+# ---------------------------------------------------------------- schedulers
 SWAPPED = [
-    (DDPMScheduler, {}),
-    (DDIMScheduler, {}),
-    (DPMSolverMultistepScheduler, {}),  # DPM-Solver++ (the DDPM config's algorithm_type default)
+    (DDPMScheduler, {}), (DDIMScheduler, {}), (DPMSolverMultistepScheduler, {}),
     # Plain DPM-Solver (deprecated in diffusers) cannot end on sigma 0.
     (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver", "final_sigmas_type": "sigma_min"}),
-    (EulerDiscreteScheduler, {}),
-    (EulerAncestralDiscreteScheduler, {}),
-    (HeunDiscreteScheduler, {}),
-    (UniPCMultistepScheduler, {}),
-    (PNDMScheduler, {}),
+    (EulerDiscreteScheduler, {}), (EulerAncestralDiscreteScheduler, {}), (HeunDiscreteScheduler, {}),
+    (UniPCMultistepScheduler, {}), (PNDMScheduler, {}),
 ]
 
 
@@ -525,66 +379,64 @@ def test_any_scheduler_swapped_the_diffusers_way(scheduler_cls, overrides, tiny_
     assert pipe.scheduler.config.variance_type == "learned_range"  # given back after the call
 
 
-@pytest.mark.parametrize(
-    "make, message",
-    [
-        (lambda config: FlowMatchEulerDiscreteScheduler.from_config(config),
-         r"FlowMatchEulerDiscreteScheduler is not a DDPM-family scheduler .* use DDPMScheduler, DDIMScheduler"),
-        (lambda config: DDIMScheduler.from_config(config, prediction_type="v_prediction"),
-         r"DDIMScheduler has prediction_type='v_prediction'.*prediction_type='epsilon'"),
-        (lambda config: DDPMScheduler.from_config(config, prediction_type="sample"),
-         r"DDPMScheduler has prediction_type='sample'"),
-        (lambda config: DDPMScheduler.from_config(config, variance_type="learned"),
-         r"variance_type='learned_range'"),
-    ],
-)
-def test_scheduler_that_cannot_serve_the_model_is_refused(make, message, tiny_pipe):
-    pipe = tiny_pipe()
-    pipe.scheduler = make(pipe.scheduler.config)
+@pytest.mark.parametrize("make", [
+    lambda config: FlowMatchEulerDiscreteScheduler.from_config(config),
+    lambda config: DDIMScheduler.from_config(config, prediction_type="v_prediction"),
+    lambda config: DDPMScheduler.from_config(config, variance_type="learned"),
+    lambda config: DDPMScheduler.from_config(config),  # learned range, on a model without variance channels
+])
+def test_a_scheduler_that_cannot_serve_the_model_is_refused(make, randomize):
+    model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny", sample_size=8, learn_sigma=False)).eval()
+    pipe = MoHDiTPipeline(transformer=model, scheduler=make(make_scheduler("ddpm").config))
     calls = count_forward(pipe.transformer)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError):
         pipe([1], num_inference_steps=2, seeds=[0])
     assert not calls
+    pipe.scheduler = DDPMScheduler.from_config(pipe.scheduler.config, variance_type="fixed_small", prediction_type="epsilon")
+    assert pipe([1], num_inference_steps=2, seeds=[0], output_type="latent").images.shape == (1, 3, 8, 8)
 
 
-def test_default_steps_and_guidance_are_dit_pipelines():
-    from diffusers import DiTPipeline
+# ---------------------------------------------------------------- save, load, offload
+def test_save_load_roundtrip_pixel_space(tmp_path, tiny_pipe):
+    pipe = tiny_pipe(class_names=NAMES)
+    pipe.scheduler = make_scheduler("ddpm", clip_sample=True)
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="pt")
+    ref = pipe(["cat", "boat"], **kwargs).images
+    pipe.save_pretrained(tmp_path)
+    loaded = MoHDiTPipeline.from_pretrained(tmp_path)
+    assert loaded.vae is None and isinstance(loaded.scheduler, DDPMScheduler) and loaded.scheduler.config.clip_sample
+    assert loaded.id2label == dict(enumerate(NAMES)) and loaded.config.id2label == pipe.config.id2label
+    torch.testing.assert_close(loaded(["cat", "boat"], **kwargs).images, ref, rtol=0, atol=0)
+    custom = MoHDiTPipeline(transformer=pipe.transformer, scheduler=make_scheduler("ddim"), id2label={0: "zero", "9": "nine"})
+    custom.save_pretrained(tmp_path / "custom")
+    loaded = MoHDiTPipeline.from_pretrained(tmp_path / "custom")
+    assert loaded.id2label == {0: "zero", 9: "nine"} and isinstance(loaded.scheduler, DDIMScheduler)
 
-    ours, theirs = (inspect.signature(c.__call__).parameters for c in (MoHDiTPipeline, DiTPipeline))
-    for name in ("num_inference_steps", "guidance_scale", "output_type", "return_dict"):
-        assert ours[name].default == theirs[name].default, name
+
+def test_vae_pipeline_roundtrip_and_cpu_offload(tmp_path, tiny_pipe, tiny_vae):
+    pipe = tiny_pipe(seed=2, in_channels=4, vae=tiny_vae(seed=5, std=0.1))
+    kwargs = dict(guidance_scale=1.5, num_inference_steps=2, seeds=[0, 1], output_type="pt")
+    out = pipe([1, 9], **kwargs)
+    assert out.images.shape == (2, 3, 16, 16)  # 8x8x4 latents, VAE downsampling 2
+    latents = pipe([1, 9], **{**kwargs, "output_type": "latent"}).images
+    with torch.no_grad():
+        decoded = pipe.vae.decode(latents / pipe.vae.config.scaling_factor).sample
+    torch.testing.assert_close(out.images, (decoded / 2 + 0.5).clamp(0, 1))
+    pipe.save_pretrained(tmp_path)
+    loaded = MoHDiTPipeline.from_pretrained(tmp_path)
+    assert isinstance(loaded.vae, AutoencoderKL)
+    torch.testing.assert_close(loaded([1, 9], **kwargs).images, out.images, rtol=0, atol=0)
+    loaded.enable_model_cpu_offload(device="cpu")  # hooks run on a CPU-only machine too
+    torch.testing.assert_close(loaded([1, 9], **kwargs).images, out.images)
+    assert next(loaded.transformer.parameters()).device.type == "cpu"
 
 
-def test_callback_on_step_end(tiny_pipe):
-    """diffusers' semantics: called after each step with (pipe, step_index, timestep, kwargs); the
-    returned ``latents`` replace the latents; names outside ``_callback_tensor_inputs`` are refused."""
-    pipe = tiny_pipe()
-    kwargs = dict(guidance_scale=1.5, num_inference_steps=STEPS, seeds=[0, 1], output_type="latent")
-    seen = record_steps(pipe.scheduler)
-    calls = []
-
-    def callback(p, step_index, timestep, callback_kwargs):
-        calls.append((p, step_index, int(timestep), callback_kwargs["latents"].clone()))
-        return {"latents": callback_kwargs["latents"] * 0 if step_index == STEPS - 1 else callback_kwargs["latents"]}
-
-    out = pipe([1, 2], callback_on_step_end=callback, **kwargs)
-    assert [(p, i, t) for p, i, t, _ in calls] == [(pipe, i, t) for i, (_, t, _, _) in enumerate(seen)]
-    for (_, _, _, latents), (_, _, _, prev) in zip(calls, seen):
-        torch.testing.assert_close(latents, prev, rtol=0, atol=0)  # after the step
-    assert (out.images == 0).all()  # the last replacement is the output
-
-    class Zero(PipelineCallback):
-        tensor_inputs = ["latents"]
-
-        def callback_fn(self, pipeline, step_index, timestep, callback_kwargs):
-            return {"latents": torch.zeros_like(callback_kwargs["latents"])}
-
-    assert (pipe([1, 2], callback_on_step_end=Zero(), **kwargs).images == 0).all()
-    forward = count_forward(pipe.transformer)
-    with pytest.raises(InvalidInput) as caught:
-        pipe([1, 2], callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents", "noise"], **kwargs)
-    assert caught.value.parameters == ("callback_on_step_end_tensor_inputs",) and "'noise'" in str(caught.value)
-    assert not forward
+def test_a_training_run_folder_names_its_pipeline(tmp_path, tiny_pipe):
+    """A run folder holds its pipeline in ``final/``: loading the run folder itself says so."""
+    tiny_pipe().save_pretrained(tmp_path / "run" / "final")
+    with pytest.raises(FileNotFoundError, match="final"):
+        MoHDiTPipeline.from_pretrained(tmp_path / "run")
+    assert isinstance(MoHDiTPipeline.from_pretrained(tmp_path / "run" / "final"), MoHDiTPipeline)
 
 
 def test_from_pipe(tiny_pipe):
@@ -594,47 +446,3 @@ def test_from_pipe(tiny_pipe):
     assert other.id2label == pipe.id2label
     kwargs = dict(guidance_scale=1.5, num_inference_steps=2, seeds=[0], output_type="latent")
     torch.testing.assert_close(other(["cat"], **kwargs).images, pipe(["cat"], **kwargs).images, rtol=0, atol=0)
-
-
-def test_save_pretrained_loads_with_diffusion_pipeline(tmp_path, tiny_pipe, monkeypatch):
-    """``DiffusionPipeline.from_pretrained`` of a ``save_pretrained`` folder: refused with diffusers'
-    "pass trust_remote_code=True" line, then the same pipeline class and images with it; the folder's
-    module file only imports the installed package."""
-    import diffusers.utils.dynamic_modules_utils as dynamic
-    from diffusers import DiffusionPipeline
-
-    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))  # diffusers copies the file there
-    pipe = tiny_pipe(class_names=NAMES)
-    pipe.save_pretrained(tmp_path / "saved")
-    kwargs = dict(guidance_scale=1.5, num_inference_steps=2, seeds=[0, 1], output_type="latent")
-    with pytest.raises(ValueError, match=r"Pass `trust_remote_code=True`"):
-        DiffusionPipeline.from_pretrained(tmp_path / "saved")
-    loaded = DiffusionPipeline.from_pretrained(tmp_path / "saved", trust_remote_code=True)
-    assert type(loaded) is MoHDiTPipeline and loaded.id2label == pipe.id2label
-    torch.testing.assert_close(loaded(["cat", 3], **kwargs).images, pipe(["cat", 3], **kwargs).images, rtol=0, atol=0)
-    again = MoHDiTPipeline.from_pretrained(tmp_path / "saved")  # no trust_remote_code: the folder's file is not run
-    torch.testing.assert_close(again(["cat", 3], **kwargs).images, pipe(["cat", 3], **kwargs).images, rtol=0, atol=0)
-    # ... and through diffusers' own loader, which takes all of its usual arguments
-    again = MoHDiTPipeline.from_pretrained(tmp_path / "saved", low_cpu_mem_usage=True, local_files_only=True)
-    assert type(again) is MoHDiTPipeline
-    torch.testing.assert_close(again(["cat", 3], **kwargs).images, pipe(["cat", 3], **kwargs).images, rtol=0, atol=0)
-
-
-def test_ddim_is_dit_ddim(tiny_pipe):
-    """make_scheduler("ddim") through the pipeline equals DDIM (eta 0) written from its formula,
-    x_prev = sqrt(a_prev) x0_pred + sqrt(1 - a_prev) eps, on DiT's strided timesteps ("ddim10":
-    0, 100, ..., 900; a linspace spacing would take 999, 888, ...)."""
-    pipe = tiny_pipe()
-    pipe.scheduler = make_scheduler("ddim")
-    model, steps = pipe.transformer, 10
-    abar = torch.from_numpy(np.cumprod(1 - np.linspace(1e-4, 0.02, 1000)))
-    x = torch.randn((1, 3, 8, 8), generator=torch.Generator().manual_seed(4)).double()
-    timesteps = list(range(0, 1000, 100))[::-1]
-    with torch.no_grad():
-        for i, t in enumerate(timesteps):
-            eps = model(x.float(), torch.tensor([t]), torch.tensor([3])).sample[:, :3].double()
-            a, a_prev = abar[t], abar[timesteps[i + 1]] if i + 1 < steps else torch.tensor(1.0, dtype=torch.float64)
-            x0 = (x - (1 - a).sqrt() * eps) / a.sqrt()
-            x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps
-    ours = pipe([3], guidance_scale=1.0, num_inference_steps=steps, seeds=[4], output_type="latent").images
-    torch.testing.assert_close(ours.double(), x, rtol=1e-4, atol=1e-4)

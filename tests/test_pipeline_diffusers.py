@@ -1,12 +1,12 @@
 """MoHDiTPipeline where users step onto diffusers' extension points: the pipeline state a step
 callback reads and writes (``guidance_scale``, ``do_classifier_free_guidance``, ``num_timesteps``,
-``interrupt``), nested class labels as DiTPipeline takes them, DDIM with clipping as IDDPM's, and
-LoRA loading the diffusers way."""
+``interrupt``), nested class labels as DiTPipeline takes them, DDIM with clipping as IDDPM's, LoRA
+loading the diffusers way, and the two files an exported folder carries loading without moh-dit."""
 
 import pytest
 import torch
 
-from moh_dit.diffusion.gaussian_diffusion import create_diffusion
+from moh_dit.diffusion import create_diffusion, make_scheduler
 
 STEPS = 3
 
@@ -129,8 +129,6 @@ def test_nested_class_labels_are_flattened(tiny_pipe):
     torch.testing.assert_close(pipe(class_labels=[[1], [2], [3]], **kwargs).images, flat, rtol=0, atol=0)
     torch.testing.assert_close(pipe([(1, "bird"), ["cat"]], **kwargs).images, flat, rtol=0, atol=0)
     assert pipe.get_label_ids([[torch.tensor(4)], [[5, "airplane"]]]) == [4, 5, 0]
-    with pytest.raises(ValueError, match="class_labels is empty"):
-        pipe([[]], num_inference_steps=2)
 
 
 # ---------------------------------------------------------------- DDIM with clipping
@@ -159,14 +157,11 @@ def iddpm_clipped_ddim(model, label, seed, steps, scale):
     return x
 
 
-def test_clipped_ddim_is_iddpm_clipped_ddim(tmp_path, tiny_pipe):
-    """``load_pipeline(pixel_model, scheduler="ddim")`` clips (pixel model) and re-derives eps from
-    the clipped x0, as IDDPM's DDIM does; without that re-derivation the images differ."""
-    from moh_dit.sampling.sample import load_pipeline
-
-    tiny_pipe().transformer.save_pretrained(tmp_path)
-    pipe = load_pipeline(tmp_path, scheduler="ddim")
-    assert pipe.vae is None and pipe.scheduler.config.clip_sample
+def test_clipped_ddim_is_iddpm_clipped_ddim(tiny_pipe):
+    """``make_scheduler("ddim", clip_sample=True)`` on a pixel model re-derives eps from the clipped
+    x0, as IDDPM's DDIM does; without that re-derivation the images differ."""
+    pipe = tiny_pipe()
+    pipe.scheduler = make_scheduler("ddim", clip_sample=True)
     ours = pipe([6], guidance_scale=2.0, num_inference_steps=5, seeds=[3], output_type="latent").images
     ref = iddpm_clipped_ddim(pipe.transformer, label=6, seed=3, steps=5, scale=2.0)
     assert ref.abs().max() <= 1.0 + 1e-6 and ref.abs().max() > 0.5
@@ -243,7 +238,7 @@ def test_the_pipeline_imports_without_peft():
     code = (
         "import sys; sys.modules['peft'] = None\n"
         "from moh_dit import MoHDiTPipeline, MoHDiTTransformer2DModel\n"
-        "from moh_dit.pipelines.pipeline_moh_dit import make_scheduler\n"
+        "from moh_dit.diffusion import make_scheduler\n"
         "m = MoHDiTTransformer2DModel.from_preset('MoH-DiT-Tiny', sample_size=8).eval()\n"
         "pipe = MoHDiTPipeline(transformer=m, scheduler=make_scheduler())\n"
         "print(tuple(pipe([1], num_inference_steps=1, output_type='latent').images.shape))\n"
@@ -256,3 +251,53 @@ def test_the_pipeline_imports_without_peft():
     assert result.returncode == 0, result.stderr
     shape, error = result.stdout.strip().splitlines()
     assert shape == "(1, 3, 8, 8)" and "PEFT" in error
+
+
+# ---------------------------------------------------------------- loading in a fresh process, and without moh-dit
+
+
+@pytest.mark.slow
+def test_saved_and_exported_folders_load(tmp_path, tiny_pipe):
+    """A fresh process loads a save_pretrained folder with MoHDiTPipeline.from_pretrained; a folder laid
+    out as an export (the pipeline file at its root, the model file in transformer/, model_index.json
+    naming them) loads through MoHDiTPipeline with moh-dit's classes, running none of the folder's
+    code, and, where importing moh_dit fails, with DiffusionPipeline(trust_remote_code=True): the
+    same images from the two files alone."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import moh_dit.models.transformer_moh_dit as model_file
+    import moh_dit.pipelines.pipeline_moh_dit as pipeline_file
+
+    pipe = tiny_pipe(class_names=[f"c{i}" for i in range(10)])
+    kwargs = dict(num_inference_steps=2, seeds=[0, 1], output_type="latent")
+    torch.save(pipe(["c3", 4], **kwargs).images, tmp_path / "ref.pt")
+    pipe.save_pretrained(tmp_path / "saved")
+    shutil.copytree(tmp_path / "saved", tmp_path / "export")
+    shutil.copy(pipeline_file.__file__, tmp_path / "export")
+    shutil.copy(model_file.__file__, tmp_path / "export" / "transformer")
+    index = json.loads((tmp_path / "export" / "model_index.json").read_text())
+    index.update(_class_name=["pipeline_moh_dit", "MoHDiTPipeline"],
+                 transformer=["transformer_moh_dit", "MoHDiTTransformer2DModel"])
+    (tmp_path / "export" / "model_index.json").write_text(json.dumps(index))
+    (tmp_path / "export" / "transformer" / "transformer_moh_dit.py").write_text(
+        Path(model_file.__file__).read_text() + "\nraise SystemExit('ran')\n")  # must not run here
+    check = ("import torch\nref = torch.load('ref.pt')\n"
+             "out = pipe(['c3', 4], num_inference_steps=2, seeds=[0, 1], output_type='latent').images\n"
+             "assert torch.equal(out, ref) and type(pipe).__module__.startswith(PREFIX), type(pipe).__module__\n")
+    installed = ("from moh_dit.pipelines import MoHDiTPipeline\nPREFIX = 'moh_dit'\n"
+                 "for folder in ('saved', 'export'):\n    pipe = MoHDiTPipeline.from_pretrained(folder)\n"
+                 + "".join("    " + line + "\n" for line in check.splitlines()))
+    run = lambda code: subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                                      env={**__import__("os").environ, "HF_MODULES_CACHE": str(tmp_path / "modules")})
+    result = run(installed)
+    assert result.returncode == 0, result.stderr
+    (tmp_path / "export" / "transformer" / "transformer_moh_dit.py").write_text(Path(model_file.__file__).read_text())
+    alone = ("import sys\nsys.modules['moh_dit'] = None\nfrom diffusers import DiffusionPipeline\n"
+             "pipe = DiffusionPipeline.from_pretrained('export', trust_remote_code=True)\nPREFIX = 'diffusers_modules'\n"
+             + check)
+    result = run(alone)
+    assert result.returncode == 0, result.stderr
