@@ -155,7 +155,8 @@ def test_the_page_in_a_browser(served, pipe):
         driver.get(served[0])
         wait(lambda: css("#generate"), "the page did not load")
         box = css("#ratio input[type=number]")[0]
-        box.send_keys(Keys.CONTROL, "a", Keys.DELETE, "0.5", Keys.TAB)
+        box.send_keys(Keys.CONTROL, "a")  # the modifier stays down until the call ends
+        box.send_keys(Keys.DELETE, "0.5", Keys.TAB)
         # the number box passes its value to the slider a moment after it is left
         wait(lambda: float(css("#ratio input[type=range]")[0].get_attribute("value")) == 0.5, "ratio not taken", 10)
         time.sleep(0.5)
