@@ -396,12 +396,14 @@ class _Parts:
         schedule._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
-def compile_model(model: torch.nn.Module, mode: str | None = None, per_block: bool = False) -> torch.nn.Module:
+def compile_model(model: torch.nn.Module, mode: str | None = None, per_block: bool = False,
+                  dynamic: bool | None = False) -> torch.nn.Module:
     """Compile in place (``nn.Module.compile``): the class, attributes and state-dict keys stay
     the model's (no ``_orig_mod.``). ``per_block``: each transformer block instead, which compiles
-    one graph for blocks of one shape (much faster to compile)."""
+    one graph for blocks of one shape (much faster to compile); ``dynamic=False``: for the shapes
+    seen (training's one batch shape)."""
     for module in model.transformer_blocks if per_block else [model]:
-        module.compile(mode=mode, dynamic=False)
+        module.compile(mode=mode, dynamic=dynamic)
     return model
 
 

@@ -1,4 +1,4 @@
-"""Speed helpers: the hardware's peak FLOP/s for MFU, training FLOPs, and torch.compile.
+"""Speed helpers for benchmarks/speed_report.py: the hardware's peak FLOP/s, training FLOPs.
 
 MFU (model FLOPs utilisation) is the FLOPs a step needs divided by what the device could
 do in that time. The step's FLOPs come from :mod:`moh_dit.models.flops` (training = 3 x forward:
@@ -8,10 +8,8 @@ tensor-core figures for a few GPUs by name, or, for any other device (the CPU in
 a matmul timed on it (:func:`measure_matmul_flops`), which is a practical peak rather than a
 datasheet one. :func:`peak_flops` says which of the two it used.
 
-Compilation (:func:`compile_model`) compiles a module in place with ``nn.Module.compile``, so
-the module keeps its class, its attributes and its ``state_dict`` keys (no ``_orig_mod.``
-prefix, unlike the wrapper ``torch.compile(module)`` returns): checkpoints, EMA updates,
-``save_pretrained`` and the pipeline see the same model as before.
+``compile_model`` is training's (:func:`moh_dit.training.compile_model`), named here for the
+benchmarks and tests that import it from this module.
 """
 
 from __future__ import annotations
@@ -22,24 +20,9 @@ from typing import Any, Mapping
 import torch
 
 from ..models.flops import forward_flops
+from ..training.trainer import GPU_PEAK_TFLOPS, compile_model
 
-__all__ = ["GPU_PEAK_TFLOPS", "COMPILE_MODES", "peak_flops", "measure_matmul_flops", "training_flops_per_image",
-           "compile_model"]
-
-# Dense (no structured sparsity) peak TFLOP/s from the vendors' datasheets, by the first name
-# fragment that torch.cuda.get_device_name() contains (more specific names first):
-# (bf16/fp16 tensor cores with fp32 accumulation, TF32 tensor cores, plain fp32).
-GPU_PEAK_TFLOPS: dict[str, tuple[float, float, float]] = {
-    "H200": (989.4, 494.7, 66.9),
-    "H100 PCIe": (756.0, 378.0, 51.2),
-    "H100": (989.4, 494.7, 66.9),  # SXM
-    "A100": (312.0, 156.0, 19.5),
-    "L40S": (362.05, 183.0, 91.6),
-    "RTX 4090": (165.2, 82.6, 82.6),
-    "A10G": (70.0, 35.0, 31.2),
-    "A10": (125.0, 62.5, 31.2),
-}
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+__all__ = ["GPU_PEAK_TFLOPS", "peak_flops", "measure_matmul_flops", "training_flops_per_image", "compile_model"]
 
 
 def _precision_column(dtype: torch.dtype, allow_tf32: bool) -> int:
@@ -95,29 +78,3 @@ def training_flops_per_image(config_or_model: Mapping[str, Any] | Any) -> int:
     """FLOPs of one training step per image: 3 x the forward pass as the training path runs it
     (dense-masked: every head computed, ``ratio=1.0``; the routers included)."""
     return 3 * forward_flops(config_or_model, ratio=1.0)
-
-
-def compile_model(model: torch.nn.Module, mode: str | None = None, per_block: bool = False,
-                  dynamic: bool | None = False) -> torch.nn.Module:
-    """Compile ``model`` in place (``nn.Module.compile``) and return it.
-
-    ``per_block``: compile each of ``model.transformer_blocks`` instead of the whole forward,
-    which compiles one block's graph once and reuses it for blocks of the same shape (a
-    fraction of the whole model's compile time; gradient checkpointing then wraps compiled
-    blocks). ``mode``: one of :data:`COMPILE_MODES` or None (torch's default). ``dynamic``:
-    False compiles for the shapes seen (a new batch size recompiles), None lets torch decide.
-    The state-dict keys stay those of the uncompiled model.
-    """
-    if mode is not None and mode not in COMPILE_MODES:
-        raise ValueError(f"compile mode {mode!r}; choose one of {', '.join(COMPILE_MODES)}.")
-    kwargs = {"mode": mode, "dynamic": dynamic}
-    if per_block:
-        blocks = getattr(model, "transformer_blocks", None)
-        if blocks is None:
-            raise ValueError(f"per-block compilation needs a model with transformer_blocks; {type(model).__name__} "
-                             "has none.")
-        for block in blocks:
-            block.compile(**kwargs)
-    else:
-        model.compile(**kwargs)
-    return model
