@@ -10,7 +10,6 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from moh_dit.utils.speed import compile_model
 from moh_dit.training import TrainConfig, train
 
 
@@ -25,14 +24,14 @@ def make_image_folder(root, per_class=2, size=8):
 
 @pytest.mark.slow
 def test_compiled_pipeline_gives_the_eager_images(tiny_pipe):
-    """``compile_model(pipe.transformer)``: same latents as eager (float rounding), the
-    model's class, config and state-dict keys unchanged."""
+    """A compiled transformer (in place, ``nn.Module.compile``): same latents as eager (float
+    rounding), the model's class, config and state-dict keys unchanged."""
     pipe = tiny_pipe(seed=3)
     kwargs = dict(class_labels=[0, 3, 7], guidance_scale=2.0, num_inference_steps=3, seeds=[0, 1, 2],
                   output_type="latent")
     eager = pipe(**kwargs)
     keys = list(pipe.transformer.state_dict())
-    assert compile_model(pipe.transformer, dynamic=None) is pipe.transformer
+    pipe.transformer.compile()
     compiled = pipe(**kwargs)
     assert list(pipe.transformer.state_dict()) == keys and type(pipe.transformer).__name__ == "MoHDiTTransformer2DModel"
     # float rounding (inductor fuses and reorders), relative to the latents' scale
@@ -65,15 +64,6 @@ def test_compiled_training_per_block_with_checkpointing_matches_eager(tmp_path):
     # fraction of the learning rate (1e-4), so weights agree to 1e-5 (a wrong gradient would move
     # them by up to 2e-4 in two steps).
     assert all(torch.allclose(compiled[k], eager[k], rtol=1e-4, atol=1e-5) for k in eager)
-
-
-@pytest.mark.parametrize("flags, match", [
-    (["--compile-mode", "reduce-overhead"], r"--compile-mode sets how --compile compiles; add --compile"),
-    (["--compile", "--compile-mode", "fastest"], r"--compile-mode: invalid choice"),
-])
-def test_sample_compile_flags_are_refused_before_any_work(tmp_path, refuses, flags, match):
-    refuses("sample", ["--model", str(tmp_path / "model"), "--output", str(tmp_path / "out"), *flags], match)
-    assert not (tmp_path / "out").exists()
 
 
 # A two-layer MoH-DiT-Tiny (one layer with shared heads, one without), so that whole-model

@@ -1,4 +1,4 @@
-"""CUDA checks: the head-sparse computation and the model on a GPU.
+"""CUDA checks: the head-sparse computation, the fused projections and the model on a GPU.
 
 Skipped without a CUDA device (CI has none); run them on a GPU machine with
 ``python -m pytest -q tests/test_cuda.py``. Sizes use head dims the fused attention kernels
@@ -8,13 +8,11 @@ accept (multiples of 8), so the flash / memory-efficient kernels are the ones te
 import pytest
 import torch
 
-from moh_dit import MoHDiTTransformer2DModel
-from moh_dit.models.sparse_attention import MoHSparseAttnProcessor
-from moh_dit.models.attention import MoHAttention, MoHAttnProcessor
+from moh_dit.models import MoHAttention, MoHAttnProcessor, MoHDiTTransformer2DModel, MoHSparseAttnProcessor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-DENSE = MoHAttnProcessor()
+DENSE, SPARSE = MoHAttnProcessor(), MoHSparseAttnProcessor()
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +43,7 @@ LAYOUTS = [(16, 0, 8), (16, 0, 1), (16, 4, 3), (12, 2, 9), (8, 1, 5)]  # K < h -
 @pytest.mark.parametrize("heads, shared, k", LAYOUTS)
 def test_sparse_equals_dense_masked_fp32(heads, shared, k):
     attn = layer(heads, shared, k)
-    processor = MoHSparseAttnProcessor(dense_above=1.0)
+    processor = SPARSE
     for batch, tokens in [(1, 1), (3, 256), (2, 1024)]:
         x = torch.randn(batch, tokens, heads * 72, device="cuda")
         with torch.no_grad():
@@ -57,7 +55,7 @@ def test_sparse_equals_dense_masked_fp32(heads, shared, k):
 def test_sparse_bf16():
     attn = layer(16, 2, 5)
     x = torch.randn(4, 1024, 16 * 72, device="cuda")
-    processor = MoHSparseAttnProcessor(dense_above=1.0)
+    processor = SPARSE
     with torch.no_grad():
         routing = attn.route(x)
         exact = DENSE(attn, x, routing)
@@ -70,22 +68,25 @@ def test_sparse_bf16():
 
 
 def test_dense_masked_model_runs_without_host_sync(randomize):
-    """A sampling-mode forward on the dense-masked path (what automatic mode uses on CUDA)
-    never waits for the GPU: torch raises on a synchronising call under sync debug mode
-    "error" (it sees most, not all)."""
+    """A sampling-mode forward on the dense-masked path (the default), fused or not, never waits
+    for the GPU: torch raises on a synchronising call under sync debug mode "error" (it sees most,
+    not all)."""
     model = randomize(MoHDiTTransformer2DModel.from_preset("MoH-DiT-S/2-75", sample_size=16)).cuda().eval()
     model.set_sparse_inference(False)
     latents = torch.randn(2, 4, 16, 16, device="cuda")
     t = torch.tensor([10, 500], device="cuda")
     y = torch.tensor([3, 1000], device="cuda")
-    with torch.no_grad():
-        model(latents, t, y)  # warm-up: lazy initialisation may synchronise
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            model(latents, t, y)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    for fuse in (False, True):
+        if fuse:
+            model.fuse_qkv_projections()
+        with torch.no_grad():
+            model(latents, t, y)  # warm-up: lazy initialisation may synchronise
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                model(latents, t, y)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
 
 
 def test_model_on_cuda_matches_cpu(randomize):
@@ -104,8 +105,15 @@ def test_model_on_cuda_matches_cpu(randomize):
         masked = gpu(x.cuda(), t.cuda(), y.cuda()).sample.cpu()
         gpu.set_sparse_inference(True)
         sparse = gpu(x.cuda(), t.cuda(), y.cuda()).sample.cpu()
+        gpu.set_sparse_inference(False)
+        gpu.fuse_qkv_projections()
+        fused = gpu(x.cuda(), t.cuda(), y.cuda()).sample.cpu()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            fused_bf16 = gpu(x.cuda(), t.cuda(), y.cuda()).sample.float().cpu()
     assert rel_err(masked, cpu) <= 1e-4
     assert rel_err(sparse, masked) <= 1e-5
+    assert rel_err(fused, masked) <= 1e-5
+    assert rel_err(fused_bf16, masked) <= 5e-2
 
 
 def test_training_step_on_cuda_bf16(randomize):
@@ -133,10 +141,9 @@ def test_training_step_on_cuda_bf16(randomize):
 
 
 def test_training_steps_make_no_host_sync(tmp_path, monkeypatch):
-    """scripts/train.py's step loop on the GPU (bf16, fused AdamW, foreach EMA): after the
-    first step (lazy initialisation may synchronise), no step waits for the GPU; torch raises
-    on a synchronising call under sync debug mode "error". The finite check and the log run
-    at log / checkpoint steps, outside the steps."""
+    """The trainer's step loop on the GPU (bf16, fused AdamW, foreach EMA): after the first step
+    (lazy initialisation may synchronise), no step waits for the GPU; torch raises on a
+    synchronising call under sync debug mode "error"."""
     import numpy as np
     from PIL import Image
 
@@ -147,20 +154,20 @@ def test_training_steps_make_no_host_sync(tmp_path, monkeypatch):
         (tmp_path / "data" / name).mkdir(parents=True)
         for i in range(4):
             Image.fromarray(np.full((16, 16, 3), 60 * (c + 1) + i, dtype=np.uint8)).save(tmp_path / "data" / name / f"{i}.png")
-    real_step, steps = trainer._train_step, []
+    real_step, steps = trainer.train_step, []
 
-    def checked_step(cfg, parts, *args, **kwargs):
-        steps.append(parts.state.step)
+    def checked_step(*args, **kwargs):
+        steps.append(1)
         if len(steps) > 1:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
         try:
-            return real_step(cfg, parts, *args, **kwargs)
+            return real_step(*args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(trainer, "_train_step", checked_step)
+    monkeypatch.setattr(trainer, "train_step", checked_step)
     train(TrainConfig(preset="MoH-DiT-Tiny", output_dir=str(tmp_path / "run"), data_dir=str(tmp_path / "data"), vae="none",
                       image_size=16, max_steps=4, global_batch_size=4, checkpoint_every=4, num_workers=0,
                       report_to="none", log_every=4, mixed_precision="bf16"))
-    assert steps == [0, 1, 2, 3]
+    assert len(steps) == 4
