@@ -3,6 +3,7 @@ moh-dit and diffusers alone load them and sample the same images."""
 
 import json
 import re
+import runpy
 import subprocess
 import sys
 import textwrap
@@ -95,8 +96,6 @@ def test_the_folder_holds_the_package_code_as_it_is(exported):
     assert (exported / "head_usage.png").read_bytes() == b"\x89PNG figure"
 
 
-@pytest.mark.xfail(raises=ValueError, strict=False,
-                   reason="MoHDiTPipeline.load_config must map the folder's transformer module to the package's")
 def test_moh_dit_loads_the_export_and_samples_the_same_images(exported, source, tmp_path):
     _, pipe = source
     loaded = MoHDiTPipeline.from_pretrained(exported)
@@ -162,6 +161,14 @@ def test_an_export_for_a_space(tiny_pipe, tmp_path):
     compile(app, "app.py", "exec")
     assert "from moh_dit.app import build_app" in app and "'space'" in app
     assert "moh-dit" in (out / "requirements.txt").read_text().split()
+
+
+@pytest.mark.slow
+def test_the_space_app_builds_its_page(tiny_pipe, tmp_path):
+    pytest.importorskip("gradio")
+    tiny_pipe().save_pretrained(tmp_path / "model")
+    page = runpy.run_path(str(export_pipeline(tmp_path / "model", tmp_path / "space", app=True) / "app.py"))
+    assert type(page["pipe"]) is MoHDiTPipeline and page["demo"] is not None
 
 
 def test_the_output_rules(source, tmp_path, monkeypatch):
