@@ -32,10 +32,13 @@ class Checkpoint:
     def __init__(self, run_dir: str | Path):
         self.dir = Path(run_dir) / "checkpoints"
 
+    def folders(self) -> list[Path]:
+        """The step-N folders, oldest first."""
+        found = [p for p in self.dir.glob("step-*") if re.fullmatch(r"step-\d+", p.name)] if self.dir.is_dir() else []
+        return sorted(found, key=lambda p: int(p.name[5:]))
+
     def latest(self) -> Path | None:
-        steps = sorted(p for p in self.dir.glob("step-*") if re.fullmatch(r"step-\d+", p.name)) if self.dir.is_dir() \
-            else []
-        return steps[-1] if steps else None
+        return (self.folders() or [None])[-1]
 
     def find(self, resume: str) -> Path | None:
         """The checkpoint ``resume`` names: ``latest`` (None before the first), ``checkpoint-N`` or
@@ -67,7 +70,7 @@ class Checkpoint:
                 for rank, (tensors, rest) in enumerate(rngs):
                     save_file(tensors, tmp / f"random_states_{rank}.safetensors", metadata={"rest": json.dumps(rest)})
                 umask_modes(tmp)
-            for old in sorted(self.dir.glob("step-*"))[:-keep] if keep else []:
+            for old in self.folders()[:-keep] if keep else []:
                 shutil.rmtree(old)
         acc.wait_for_everyone()
         return path
