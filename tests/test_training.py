@@ -327,6 +327,8 @@ def test_batch_splits_and_the_config_checks(tmp_path, data):
     launch = cfg.resolved(3, 2)
     assert (launch.global_batch_size, launch.train_batch_size, launch.gradient_accumulation_steps) == (12, 2, 2)
     assert config(tmp_path, data, global_batch_size=None).resolved(4).train_batch_size == 64  # DiT's 256 in all
+    with pytest.raises(ValueError, match="global_batch_size 256"):
+        config(tmp_path, data, global_batch_size=None).resolved(3)
     for kw, name in ((dict(global_batch_size=6), "global_batch_size"), (dict(preset="MoH-DiT-Huge"), "preset"),
                      (dict(latents_dir="x"), "latents_dir"), (dict(max_steps=0), "max_steps"),
                      (dict(ema_decay=1.0), "ema_decay"), (dict(preset="DiT-Tiny", router_warmup_steps=2),

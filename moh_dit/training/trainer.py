@@ -129,7 +129,7 @@ class TrainConfig:
             image_size, vae, subfolder = cache["image_size"], vae or cache["vae"], subfolder or cache["vae_subfolder"]
         accumulation = accumulation or self.gradient_accumulation_steps or 1
         parts = num_processes * accumulation
-        batch = self.global_batch_size or (self.train_batch_size or 256 // parts) * parts
+        batch = self.global_batch_size or (self.train_batch_size * parts if self.train_batch_size else 256)
         if batch % parts or (self.train_batch_size and batch != self.train_batch_size * parts):
             raise ValueError(f"global_batch_size {batch} does not split into {num_processes} processes x "
                              f"{accumulation} accumulation steps" + (f" x train_batch_size {self.train_batch_size}"
