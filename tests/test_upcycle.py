@@ -224,12 +224,3 @@ def test_the_parser_refuses_bad_values(flags, tmp_path):
         moh_dit("upcycle", "--checkpoint", tmp_path, "--output-dir", tmp_path / "out", *flags)
     assert not (tmp_path / "out").exists()
 
-
-@pytest.mark.slow
-def test_the_upcycle_demo_runs(tmp_path):
-    out = tmp_path / "demo"
-    assert moh_dit("upcycle-demo", "--output-dir", out, "--dense-steps", "2", "--continue-steps", "2",
-                   "--router-warmup-steps", "1", "--images-per-class", "2", "--reference-per-class", "1",
-                   "--eval-samples", "4", "--sample-steps", "1", "--classifier-epochs", "1",
-                   "--calibration-batches", "1") == 0
-    assert (out / "upcycled" / REPORT_FILE).is_file()
