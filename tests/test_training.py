@@ -201,8 +201,9 @@ def test_rotation_named_checkpoints_and_an_interrupted_save(tmp_path, data, monk
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "save_file", broken_save)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError) as error:
         train(config(tmp_path, data, max_steps=4, checkpoint_every=1, resume="checkpoint-3"))
+    assert error.value.errno == 28 and error.value.filename == str(tmp_path / "run/checkpoints/step-0000004")
     assert find_latest_checkpoint(tmp_path / "run").name == "step-0000003"
     monkeypatch.undo()
     train(config(tmp_path, data, max_steps=4, checkpoint_every=1, checkpoints_total_limit=0, resume="latest"))

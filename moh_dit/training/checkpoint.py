@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..outputs import publish_folder, read_json, write_json
@@ -60,16 +60,22 @@ class Checkpoint:
         rngs = gather_object([_rng_state()]) if acc.num_processes > 1 else [_rng_state()]
         path = self.dir / f"step-{step:07d}"
         if acc.is_main_process:
-            with publish_folder(path) as tmp:
-                save_file(_cpu(model.state_dict()), tmp / "model.safetensors")
-                save_file(_cpu(ema.state_dict()), tmp / "ema.safetensors")
-                optim = optimizer.state_dict()  # {"state": {i: {name: tensor}}, "param_groups": [...]}
-                save_file({f"{i}.{k}": v for i, s in optim["state"].items() for k, v in _cpu(s).items()},
-                          tmp / "optimizer.safetensors", metadata={"param_groups": json.dumps(optim["param_groups"])})
-                write_json(tmp / "train_state.json", state)
-                for rank, (tensors, rest) in enumerate(rngs):
-                    save_file(tensors, tmp / f"random_states_{rank}.safetensors", metadata={"rest": json.dumps(rest)})
-                umask_modes(tmp)
+            try:
+                with publish_folder(path) as tmp:
+                    save_file(_cpu(model.state_dict()), tmp / "model.safetensors")
+                    save_file(_cpu(ema.state_dict()), tmp / "ema.safetensors")
+                    optim = optimizer.state_dict()  # {"state": {i: {name: tensor}}, "param_groups": [...]}
+                    groups = {"param_groups": json.dumps(optim["param_groups"])}
+                    save_file({f"{i}.{k}": v for i, s in optim["state"].items() for k, v in _cpu(s).items()},
+                              tmp / "optimizer.safetensors", metadata=groups)
+                    write_json(tmp / "train_state.json", state)
+                    for rank, (tensors, rest) in enumerate(rngs):
+                        save_file(tensors, tmp / f"random_states_{rank}.safetensors",
+                                  metadata={"rest": json.dumps(rest)})
+                    umask_modes(tmp)
+            except (OSError, SafetensorError) as error:  # a full disk: say which checkpoint, and what is safe
+                raise OSError(getattr(error, "errno", None) or errno.EIO, f"{error}; this checkpoint was not saved, "
+                              "the earlier ones are intact: free space, then resume", str(path)) from error
             for old in self.folders()[:-keep] if keep else []:
                 shutil.rmtree(old)
         acc.wait_for_everyone()
