@@ -59,10 +59,8 @@ def test_bad_input_is_refused_before_sampling(pipe, change):
 
 
 @pytest.mark.slow
-def test_the_page_handler_shows_library_errors_and_the_pipelines_pixels(pipe, monkeypatch):
+def test_the_page_handler_shows_library_errors_and_the_pipelines_pixels(pipe):
     gr = pytest.importorskip("gradio")
-    launched = []
-    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: launched.append(kwargs))
     demo = build_app(pipe, title="tiny", max_images=8, max_steps=10)
     handler = next(f.fn for f in demo.fns.values() if f.api_name == "generate")
     with pytest.raises(gr.Error, match="0.1"):
@@ -74,14 +72,6 @@ def test_the_page_handler_shows_library_errors_and_the_pipelines_pixels(pipe, mo
         assert scale > 1 and np.array_equal(np.asarray(image), np.asarray(made.resize(image.size, PIL.Image.NEAREST)))
     assert [caption for _, caption in shown] == ["red circle, seed 3", "blue square, seed 3"]
     assert json.loads(numbers)["head_activation_ratio"] == 0.75 and "0.7500" in summary
-    demo.launch()
-    assert launched == [{"max_file_size": 0}]  # no upload of any size
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -91,37 +81,23 @@ def served(tmp_path_factory, pipe):
     root = tmp_path_factory.mktemp("app")
     pipe.save_pretrained(root / "model")
     (root / "tmp").mkdir()
-    port = _free_port()
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRADIO_ANALYTICS_ENABLED": "False", "TMPDIR": str(root / "tmp")}
-    log = open(root / "app.log", "w")
     process = subprocess.Popen([sys.executable, "-m", "moh_dit.commands", "app", "--model", str(root / "model"),
-                                "--port", str(port), "--max-steps", "50"], stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 300
+                                "--port", str(port), "--max-steps", "50"], stdout=open(root / "app.log", "w"),
+                               stderr=subprocess.STDOUT, env=env)
+    url, deadline = f"http://127.0.0.1:{port}/", time.monotonic() + 300
     while True:
         try:
             urllib.request.urlopen(url, timeout=5).close()
             break
         except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the app did not start: {(root / 'app.log').read_text()[-2000:]}")
+            assert process.poll() is None and time.monotonic() < deadline, (root / "app.log").read_text()[-2000:]
             time.sleep(1)
     yield url, process, root / "tmp"
     process.kill()
-
-
-@pytest.mark.slow
-def test_the_server_takes_no_upload_and_cleans_up_on_sigterm(served):
-    url, process, tmp = served
-    body = b'--x\r\nContent-Disposition: form-data; name="files"; filename="a.bin"\r\n\r\n' + b"0" * 4096 + b"\r\n--x--\r\n"
-    request = urllib.request.Request(url + "gradio_api/upload", data=body, method="POST",
-                                     headers={"Content-Type": "multipart/form-data; boundary=x"})
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(request, timeout=30)
-    assert refused.value.code == 413
-    assert [p.name for p in tmp.iterdir()][0].startswith("moh-dit-app-")
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) in (0, 130) and list(tmp.iterdir()) == []
 
 
 # ----- in a real browser ------------------------------------------------------------------------
@@ -140,8 +116,8 @@ def test_the_page_in_a_browser(served, pipe):
 
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1400"):
-        options.add_argument(argument)
+    for argument in ("headless=new", "no-sandbox", "disable-dev-shm-usage", "window-size=1400,1400"):
+        options.add_argument(f"--{argument}")
     driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
     css = lambda selector: driver.find_elements(By.CSS_SELECTOR, selector)  # noqa: E731
 
@@ -170,3 +146,17 @@ def test_the_page_in_a_browser(served, pipe):
             assert np.array_equal(np.asarray(shown), np.asarray(made.resize(shown.size, PIL.Image.NEAREST)))
     finally:
         driver.quit()
+
+
+@pytest.mark.slow
+def test_the_server_takes_no_upload_and_cleans_up_on_sigterm(served):  # last: it stops the server
+    url, process, tmp = served
+    body = (b'--x\r\nContent-Disposition: form-data; name="files"; filename="a.bin"\r\n\r\n' + b"0" * 4096
+            + b"\r\n--x--\r\n")
+    request = urllib.request.Request(url + "gradio_api/upload", data=body, method="POST",
+                                     headers={"Content-Type": "multipart/form-data; boundary=x"})
+    with pytest.raises(urllib.error.HTTPError, match="413"):
+        urllib.request.urlopen(request, timeout=30)
+    assert [p.name for p in tmp.iterdir()][0].startswith("moh-dit-app-")
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) in (0, 130) and list(tmp.iterdir()) == []

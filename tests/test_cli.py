@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from moh_dit import commands
 from moh_dit.commands import COMMANDS, build_parser, main, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,21 +79,15 @@ def test_any_error_is_one_line_and_debug_shows_the_traceback(failing, capsys, er
         run("fail", ["--debug"])
 
 
-def test_ctrl_c_exits_130_and_argparse_errors_name_the_flag(failing, capsys):
+def test_ctrl_c_exits_130_the_library_logs_progress_and_argparse_names_the_flag(failing, capsys):
+    level = logging.getLogger("moh_dit").level
     failing(KeyboardInterrupt())
-    assert run("fail", ["-q"]) == 130
+    assert run("fail", []) == 130
+    assert capsys.readouterr().err == "working\nwarning: careful\nerror: interrupted\n"  # info shows without -q
+    assert logging.getLogger("moh_dit").level == level  # the command's level does not outlive it
     with pytest.raises(SystemExit) as exit_:
         run("fail", ["--count", "many"])
     assert exit_.value.code == 2 and "--count" in capsys.readouterr().err
-
-
-def test_quiet_and_verbose_set_what_the_library_logs(failing, capsys):
-    level = logging.getLogger("moh_dit").level
-    assert run("fail", []) == 0
-    assert capsys.readouterr().err == "working\nwarning: careful\n"
-    assert run("fail", ["--quiet"]) == 0
-    assert capsys.readouterr().err == "warning: careful\n"
-    assert logging.getLogger("moh_dit").level == level  # the command's level does not outlive it
 
 
 def test_a_ratio_the_model_cannot_reach_is_one_line_and_leaves_nothing(tmp_path, tiny_pipe, capsys):
@@ -142,20 +135,9 @@ def test_every_command_shown_in_the_docs_parses(where, command, flags):
 
 
 @pytest.mark.slow
-def test_every_way_to_start_a_command(tmp_path):
-    """From a folder outside the clone: the console script, python -m and scripts/ run the same
-    command under the same name."""
-    starts = [[sys.executable, "-m", "moh_dit.commands", "convert"], [sys.executable, ROOT / "scripts" / "convert_checkpoint.py"]]
+def test_scripts_and_the_console_script_start_the_same_command(tmp_path):
     console = shutil.which("moh-dit", path=str(Path(sys.executable).parent))
-    if console is not None:
-        starts.append([console, "convert"])
+    starts = [[sys.executable, ROOT / "scripts" / "convert_checkpoint.py"]] + [[console, "convert"]] * bool(console)
     for start in starts:
         done = subprocess.run([*map(str, start), "--help"], cwd=tmp_path, capture_output=True, text=True)
         assert done.returncode == 0 and done.stdout.startswith("usage: moh-dit convert "), (start, done.stderr)
-    for script in sorted((ROOT / "scripts").glob("*.py")):
-        assert "from moh_dit.commands import main" in script.read_text(), script
-
-
-def test_the_dispatcher_is_the_module_main():
-    assert (ROOT / "moh_dit" / "commands" / "__main__.py").read_text().count("main()") == 1
-    assert commands.main is main

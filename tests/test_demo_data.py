@@ -39,7 +39,8 @@ def test_image_i_depends_on_seed_class_and_i_alone(tmp_path):
 def test_classes_look_like_their_names_and_fit_at_the_smallest_size():
     for name in demo_classes():
         colour = np.array(DEMO_COLOURS[name.split("_")[0]], dtype=float)
-        distance = np.linalg.norm(np.asarray(render_demo_image(name, np.random.default_rng(0)), float) - colour, axis=-1)
+        image = np.asarray(render_demo_image(name, np.random.default_rng(0)), float)
+        distance = np.linalg.norm(image - colour, axis=-1)
         inside = distance < 60
         assert inside.mean() > 0.10 and np.median(distance[~inside]) > 150, name  # bold, on a far background
     for seed in range(100):

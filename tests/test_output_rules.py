@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_vae_
 
 from moh_dit import MoHDiTTransformer2DModel
+from moh_dit.commands import build_parser
 from moh_dit.data.demo_data import make_demo_dataset
 from moh_dit.outputs import hold_lock
 
@@ -29,17 +31,8 @@ def _data(root: Path) -> Path:
     return root / "data"
 
 
-def _train(root, out):
-    return ["--preset", "MoH-DiT-Tiny", "--data-dir", _data(root), "--vae", "none", "--image-size", "16",
-            "--output-dir", out, "--max-steps", "1", "--global-batch-size", "4", "--num-workers", "0",
-            "--report-to", "none"]
-
-
 def _extract_latents(root, out):
-    from conftest import tiny_vae_
-
-    if not (root / "vae").exists():
-        tiny_vae_(levels=2).save_pretrained(root / "vae")
+    tiny_vae_(levels=2).save_pretrained(root / "vae")
     return ["--data-dir", _data(root), "--vae", root / "vae", "--image-size", "16", "--output-dir", out,
             "--num-workers", "0", "--device", "cpu", "--batch-size", "4"]
 
@@ -61,7 +54,8 @@ def _convert(root, out):
 
 # command -> (recipe: its argv with inputs made under ``root``, the input folder an output may not lie in)
 WRITERS = {
-    "train": (_train, "data"),
+    "train": (lambda root, out: ["--preset", "MoH-DiT-Tiny", "--data-dir", _data(root), "--vae", "none",
+                                 "--image-size", "16", "--output-dir", out, "--max-steps", "1"], "data"),
     "extract-latents": (_extract_latents, "data"),
     "sample": (lambda root, out: ["--model", _moh(root), "--output-dir", out, "--num-samples", "2",
                                   "--num-inference-steps", "1"], "MoH-DiT-Tiny"),
@@ -87,7 +81,7 @@ WRITERS = {
 
 def _argv(name: str, root: Path, out: Path) -> list:
     root.mkdir(exist_ok=True)
-    overwrite = "--overwrite" in __import__("moh_dit.commands").commands.build_parser(name)._option_string_actions
+    overwrite = "--overwrite" in build_parser(name)._option_string_actions
     return WRITERS[name][0](root, out) + (["--overwrite"] if overwrite else [])
 
 

@@ -20,20 +20,9 @@ CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 def test_every_package_folder_is_listed_in_pyproject():
     config = CONFIG["tool"]["setuptools"]
-    listed, folders = set(config["packages"]), config["package-dir"]
-    on_disk = set()
-    for name, folder in folders.items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            if "__pycache__" in init.parts:
-                continue
-            rel = init.parent.relative_to(ROOT / folder).parts
-            on_disk.add(".".join((name, *rel)))
-    assert on_disk <= listed, f"pyproject.toml's packages lacks {sorted(on_disk - listed)}"
-    assert listed <= on_disk, f"pyproject.toml lists packages that do not exist: {sorted(listed - on_disk)}"
-
-
-def test_the_console_command_is_the_dispatcher():
-    assert CONFIG["project"]["scripts"] == {"moh-dit": "moh_dit.commands:main"}  # tests/test_cli.py tests main
+    on_disk = {".".join((name, *init.parent.relative_to(ROOT / folder).parts))
+               for name, folder in config["package-dir"].items() for init in (ROOT / folder).rglob("__init__.py")}
+    assert on_disk == set(config["packages"])
 
 
 def test_install_commands_work_without_a_package_index_release():
@@ -114,15 +103,11 @@ def test_installed_wheel_runs_outside_the_source_tree(tmp_path):
     assert _run([python, "-m", "moh_dit.commands", "convert", "--help"], cwd=work).stdout.startswith(
         "usage: moh-dit convert ")
 
-    # A tiny job end to end through the installed command.
+    # A tiny training run through the installed command.
     _run([command, "make-demo-dataset", "--output-dir", "data", "--images-per-class", "2", "--image-size", "16"],
          cwd=work)
     _run([command, "train", "--preset", "MoH-DiT-Tiny/2", "--data-dir", "data", "--vae", "none", "--image-size", "16",
           "--output-dir", "run", "--max-steps", "2", "--global-batch-size", "4", "--num-workers", "0",
           "--report-to", "none", "-q"], cwd=work)
-    sampled = _run([command, "sample", "--model", "run/final", "--output", "samples", "--num-samples", "2",
-                    "--per-device-batch-size", "2", "--num-inference-steps", "2"], cwd=work)
-    assert sorted(p.name for p in (work / "samples" / "samples").glob("*.png")) == ["000000.png", "000001.png"], (
-        sampled.stdout)
     assert json.loads((work / "run" / "train_config.json").read_text())["max_steps"] == 2
 

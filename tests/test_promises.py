@@ -12,8 +12,7 @@ import sys
 
 import pytest
 
-from moh_dit.outputs import (MARKER, SCRATCH, atomic_write, check_outside_inputs, hold_lock, marked_by, output_folder,
-                             write_json)
+from moh_dit.outputs import MARKER, SCRATCH, atomic_write, check_outside_inputs, marked_by, output_folder, write_json
 
 
 def _write(folder, name="result.txt", text="result"):
@@ -35,7 +34,7 @@ with output_folder(sys.argv[1], "train", resume=True):
 """
 
 
-def test_one_writer_under_any_spelling(tmp_path):
+def test_one_writer_under_any_spelling_and_a_lock_free_when_its_holder_dies(tmp_path):
     real = tmp_path / "real"
     (tmp_path / "alias").symlink_to(real, target_is_directory=True)  # made by the first holder
     for held, used in ((real, tmp_path / "alias"), (tmp_path / "alias", tmp_path / "x" / ".." / "real")):
@@ -46,23 +45,19 @@ def test_one_writer_under_any_spelling(tmp_path):
                 with output_folder(used, "train", resume=True):
                     pass
             assert error.value.errno == errno.EBUSY
-        finally:
             holder.kill()
             holder.wait()
+            os.kill(child, 0)  # the forked child still runs...
+            with output_folder(used, "train", resume=True):  # ...and the run can be resumed at once
+                pass
+        finally:
+            holder.kill()
             os.kill(child, signal.SIGKILL)
-    with hold_lock(real, "train"), pytest.raises(FileExistsError):  # in one process too
-        with output_folder(tmp_path / "alias", "train", resume=True):
+    with output_folder(tmp_path / "model", "convert", publish=True), pytest.raises(FileExistsError):
+        with output_folder(tmp_path / "model", "export", publish=True):  # in one process, before it exists
             pass
     with output_folder(real, "train", resume=True):  # free again
         pass
-
-
-def test_a_second_writer_is_refused_before_the_folder_exists(tmp_path):
-    with output_folder(tmp_path / "model", "convert", publish=True):
-        assert not (tmp_path / "model").exists()  # built aside, published at the end
-        with pytest.raises(FileExistsError):
-            with output_folder(tmp_path / "model", "export", publish=True):
-                pass
 
 
 def test_a_link_in_place_of_the_lock_is_never_written_through(tmp_path):
@@ -73,26 +68,6 @@ def test_a_link_in_place_of_the_lock_is_never_written_through(tmp_path):
         with output_folder(tmp_path / "out", "sample"):
             pass
     assert victim.read_text() == "the user's file\n" and not (tmp_path / "out").exists()
-
-
-
-
-def test_the_lock_is_free_when_its_holder_dies_while_a_forked_child_lives(tmp_path):
-    out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdout=subprocess.PIPE, text=True)
-    child = int(holder.stdout.readline())
-    try:
-        with pytest.raises(FileExistsError, match="being written by moh-dit train"):
-            with output_folder(out, "train", resume=True):
-                pass
-        holder.kill()
-        holder.wait()
-        os.kill(child, 0)  # the child still runs...
-        with output_folder(out, "train", resume=True):  # ...and the run can be resumed at once
-            pass
-    finally:
-        holder.kill()
-        os.kill(child, signal.SIGKILL)
 
 
 # ----- overwrite only our own -------------------------------------------------------------------
@@ -180,7 +155,7 @@ def test_an_input_file_protects_that_file_not_its_folder(tmp_path):
 
 # ----- atomic writes and scratch ----------------------------------------------------------------
 
-def test_a_failed_write_leaves_no_half_written_file(tmp_path):
+def test_a_failed_write_leaves_no_half_written_file_and_a_link_is_replaced_not_followed(tmp_path):
     target = tmp_path / "metrics.json"
     write_json(target, {"fid": 1.0})
     with pytest.raises(RuntimeError):
@@ -188,13 +163,10 @@ def test_a_failed_write_leaves_no_half_written_file(tmp_path):
             f.write('{"fid": ')
             raise RuntimeError("killed mid-write")
     assert target.read_text() == '{\n  "fid": 1.0\n}\n' and sorted(p.name for p in tmp_path.iterdir()) == [target.name]
-
-
-def test_an_atomic_write_replaces_a_link_not_its_target(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("the user's file")
     (tmp_path / "out.txt").symlink_to(victim)
-    with atomic_write(tmp_path / "out.txt", "w") as f:
+    with atomic_write(tmp_path / "out.txt", "w") as f:  # replaces a link, never the file it points to
         f.write("result")
     assert victim.read_text() == "the user's file" and not (tmp_path / "out.txt").is_symlink()
 
