@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import functools
 import importlib.util
 import json
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from ..models.presets import PRESETS
 from ..outputs import atomic_write, output_folder, publish_folder, read_json, write_json
@@ -607,9 +609,13 @@ def _export(final: Path, ema, vae) -> None:
 
     # IDDPM clips predicted images to [-1, 1] in pixel space; DiT does not clip latents.
     pipe = MoHDiTPipeline(transformer=ema, scheduler=make_scheduler("ddpm", clip_sample=vae is None), vae=vae)
-    with publish_folder(final) as tmp:
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        umask_modes(tmp)
+    try:
+        with publish_folder(final) as tmp:
+            pipe.save_pretrained(tmp, safe_serialization=True)
+            umask_modes(tmp)
+    except (OSError, SafetensorError) as error:  # a full disk: say where, and what is safe
+        raise OSError(getattr(error, "errno", None) or errno.EIO, f"{error}; it was not written, the checkpoints "
+                      "are intact: free space, then resume", str(final)) from error
 
 
 def _cut_logs(out: Path, step: int) -> None:
