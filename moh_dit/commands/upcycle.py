@@ -38,9 +38,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         help="head activation: an upcycled preset's layout where one fits, else the upcycling rule's")
     add("--shared-heads", type=_per_layer, default=None, help="shared heads: one number or one per layer")
     add("--top-k", type=_per_layer, default=None, help="routed top-K: one number or one per layer")
-    add("--calibration-data", dest="calibration", default=None,
+    add("--calibration-data", dest="calibration", metavar="DIR", default=None,
         help="an image folder or a latent cache to measure head importance on")
-    add("--calibration-batches", dest="calibration_batches_count", type=bounded_int(1, 10_000), default=4,
+    add("--calibration-batches", dest="calibration_batches_count", metavar="N", type=bounded_int(1, 10_000), default=4,
         help="batches of calibration data (default: %(default)s)")
     add("--batch-size", type=bounded_int(1, 4096), default=16, help="calibration batch size (default: %(default)s)")
     add("--vae", default=None, help="the VAE (folder or Hub id) that encodes an image folder")
