@@ -37,34 +37,20 @@ def layer(heads, shared, k, head_dim=72, seed=0):
     return attn.cuda()
 
 
-LAYOUTS = [(16, 0, 8), (16, 0, 1), (16, 4, 3), (12, 2, 9), (8, 1, 5)]  # K < h - hs: something to skip
-
-
-@pytest.mark.parametrize("heads, shared, k", LAYOUTS)
-def test_sparse_equals_dense_masked_fp32(heads, shared, k):
+@pytest.mark.parametrize("heads, shared, k", [(16, 0, 8), (16, 0, 1), (16, 4, 3), (12, 2, 9), (8, 1, 5)])
+def test_sparse_equals_dense_masked(heads, shared, k):
+    """fp32 to rounding at 1, 256 and 1024 tokens; in bf16 within bf16 rounding of fp32."""
     attn = layer(heads, shared, k)
-    processor = SPARSE
     for batch, tokens in [(1, 1), (3, 256), (2, 1024)]:
         x = torch.randn(batch, tokens, heads * 72, device="cuda")
         with torch.no_grad():
             routing = attn.route(x)
-            err = rel_err(processor(attn, x, routing), DENSE(attn, x, routing))
-        assert err <= 1e-5, (batch, tokens, err)
-
-
-def test_sparse_bf16():
-    attn = layer(16, 2, 5)
-    x = torch.randn(4, 1024, 16 * 72, device="cuda")
-    processor = SPARSE
+            assert rel_err(SPARSE(attn, x, routing), DENSE(attn, x, routing)) <= 1e-5, (batch, tokens)
     with torch.no_grad():
-        routing = attn.route(x)
         exact = DENSE(attn, x, routing)
-        attn_bf16, x_bf16 = attn.to(torch.bfloat16), x.bfloat16()
-        masked = DENSE(attn_bf16, x_bf16, routing)
-        sparse = processor(attn_bf16, x_bf16, routing)
-    assert sparse.dtype == torch.bfloat16
-    assert rel_err(sparse, exact) <= 2e-2
-    assert rel_err(sparse, exact) <= 2 * rel_err(masked, exact) + 1e-3
+        attn.to(torch.bfloat16)
+        masked, sparse = DENSE(attn, x.bfloat16(), routing), SPARSE(attn, x.bfloat16(), routing)
+    assert sparse.dtype == torch.bfloat16 and rel_err(sparse, exact) <= 2 * rel_err(masked, exact) + 1e-3
 
 
 def test_dense_masked_model_runs_without_host_sync(randomize):

@@ -16,16 +16,9 @@ def diffusion():
     return create_diffusion()
 
 
-def _ddpm_scheduler(**kwargs):
-    return DDPMScheduler(
-        num_train_timesteps=1000,
-        beta_schedule="linear",
-        beta_start=1e-4,
-        beta_end=0.02,
-        variance_type="learned_range",
-        clip_sample=False,
-        **kwargs,
-    )
+def _ddpm_scheduler():
+    return DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear", beta_start=1e-4, beta_end=0.02,
+                         variance_type="learned_range", clip_sample=False)
 
 
 def test_schedule_matches_diffusers_ddpm_scheduler(diffusion):

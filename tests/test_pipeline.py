@@ -28,7 +28,11 @@ def test_output_types_and_shapes(tiny_pipe):
     assert out.images.std() > 0.01  # random weights: a non-trivial image
     assert [u.shape for u in out.head_usage] == [(4,)] * 6
     assert out.head_activation_ratio == pytest.approx(0.75) and out.head_activation_ratios == [0.75] * STEPS
-    pil = pipe([1], 1.0, None, STEPS, seeds=[0]).images  # DiTPipeline's positional order
+    batches = []
+    pipe.transformer.register_forward_pre_hook(lambda module, args, kwargs: batches.append(args[0].shape[0]),
+                                               with_kwargs=True)
+    pil = pipe([1], 1.0, None, STEPS, seeds=[0]).images  # DiTPipeline's positional order; guidance off
+    assert batches == [1] * STEPS  # no unconditional half without guidance
     assert isinstance(pil[0], PIL.Image.Image) and pil[0].size == (8, 8)
     pt = pipe([1], num_inference_steps=STEPS, seeds=[0], output_type="pt").images
     assert pt.shape == (1, 3, 8, 8)
@@ -60,15 +64,6 @@ def count_forward(model):
 
 
 
-def test_generator_determinism(tiny_pipe):
-    pipe = tiny_pipe()
-    run = lambda seed: pipe([4, 5], guidance_scale=2.0, num_inference_steps=STEPS, output_type="pt",
-                            generator=torch.Generator().manual_seed(seed)).images
-    a, b, c = run(0), run(0), run(1)
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert (a - c).abs().max() > 1e-3
-
-
 def test_image_independent_of_batch(tiny_pipe):
     """Image i comes out the same alone or in a batch: its own initial noise *and* its own
     DDPM step noise (the scheduler's single-generator draw would mix the batch). A float64
@@ -84,7 +79,9 @@ def test_image_independent_of_batch(tiny_pipe):
     alone = pipe([7], seeds=[11], **kwargs).images
     torch.testing.assert_close(alone[0], batch[1], rtol=0, atol=0)
     mixed = pipe([3, 7, 1], generator=torch.Generator().manual_seed(11), **kwargs).images
-    assert (mixed[1] - alone[0]).abs().max() > 1e-2
+    assert (mixed[1] - alone[0]).abs().max() > 1e-2  # one generator for the batch mixes it...
+    again = pipe([3, 7, 1], generator=torch.Generator().manual_seed(11), **kwargs).images
+    torch.testing.assert_close(again, mixed, rtol=0, atol=0)  # ...deterministically
 
 
 def dit_reference_sample(model, label, seed, steps, scale, clip):
@@ -136,17 +133,6 @@ def test_clip_sample_and_custom_timesteps_match_dit(tiny_pipe):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_no_unconditional_half_without_guidance(tiny_pipe):
-    pipe = tiny_pipe()
-    seen = []
-    original = pipe.transformer.forward
-    pipe.transformer.forward = lambda x, *a, **k: (seen.append(x.shape[0]), original(x, *a, **k))[1]
-    pipe([1, 2], guidance_scale=1.0, num_inference_steps=2, seeds=[0, 1], output_type="latent")
-    pipe([1, 2], guidance_scale=1.5, num_inference_steps=2, seeds=[0, 1], output_type="latent")
-    assert seen == [2, 2, 4, 4]
-
-
-
 def record_steps(scheduler):
     """Wrap ``scheduler.step``: each call's (model_output, t, sample, prev_sample)."""
     seen, original = [], scheduler.step
@@ -183,26 +169,6 @@ def test_other_schedulers_use_eps_half(tiny_pipe):
         torch.testing.assert_close(prev.double(), x0, rtol=1e-3, atol=1e-3)
         torch.testing.assert_close(out.images, prev, rtol=0, atol=0)
 
-
-
-def test_ddim_is_dit_ddim(tiny_pipe):
-    """make_scheduler("ddim") through the pipeline equals DDIM (eta 0) written from its formula,
-    x_prev = sqrt(a_prev) x0_pred + sqrt(1 - a_prev) eps, on DiT's strided timesteps ("ddim10":
-    0, 100, ..., 900; a linspace spacing would take 999, 888, ...)."""
-    pipe = tiny_pipe()
-    pipe.scheduler = make_scheduler("ddim")
-    model, steps = pipe.transformer, 10
-    abar = torch.from_numpy(np.cumprod(1 - np.linspace(1e-4, 0.02, 1000)))
-    x = torch.randn((1, 3, 8, 8), generator=torch.Generator().manual_seed(4)).double()
-    timesteps = list(range(0, 1000, 100))[::-1]
-    with torch.no_grad():
-        for i, t in enumerate(timesteps):
-            eps = model(x.float(), torch.tensor([t]), torch.tensor([3])).sample[:, :3].double()
-            a, a_prev = abar[t], abar[timesteps[i + 1]] if i + 1 < steps else torch.tensor(1.0, dtype=torch.float64)
-            x0 = (x - (1 - a).sqrt() * eps) / a.sqrt()
-            x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps
-    ours = pipe([3], guidance_scale=1.0, num_inference_steps=steps, seeds=[4], output_type="latent").images
-    torch.testing.assert_close(ours.double(), x, rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------- head activation
