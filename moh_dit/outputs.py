@@ -51,6 +51,10 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as error:  # a full disk names the file it was writing
+        if error.filename is None:
+            raise OSError(error.errno, error.strerror, str(path)) from error
+        raise
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
