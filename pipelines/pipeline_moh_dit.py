@@ -52,7 +52,8 @@ def make_scheduler(kind: str = "ddpm", clip_sample: bool = False) -> SchedulerMi
     common = dict(num_train_timesteps=1000, beta_schedule="linear", beta_start=1e-4, beta_end=0.02,
                   prediction_type="epsilon")
     if kind == "ddpm":
-        return DDPMScheduler(**common, variance_type="learned_range", clip_sample=clip_sample, timestep_spacing="linspace")
+        return DDPMScheduler(**common, variance_type="learned_range", clip_sample=clip_sample,
+                             timestep_spacing="linspace")
     if kind == "ddim":
         return DDIMScheduler(**common, clip_sample=clip_sample, set_alpha_to_one=True, steps_offset=0,
                              timestep_spacing="leading")
@@ -225,12 +226,14 @@ class MoHDiTPipeline(DiffusionPipeline, SanaLoraLoaderMixin):
         name, config = type(self.scheduler).__name__, self.scheduler.config
         if not hasattr(self.scheduler, "alphas_cumprod") or config.get("prediction_type", "epsilon") != "epsilon":
             raise ValueError(f"{name} does not sample an eps-predicting DDPM model; use an eps-prediction DDPM-family "
-                             "scheduler, e.g. DDIMScheduler.from_config(pipe.scheduler.config, prediction_type='epsilon').")
+                             "scheduler, e.g. DDIMScheduler.from_config(pipe.scheduler.config, "
+                             "prediction_type='epsilon').")
         variance = config.get("variance_type")
         if type(self.scheduler) is not DDPMScheduler or variance not in ("learned", "learned_range"):
             return False
         model = self.transformer.config
-        learns_sigma = (model.out_channels or model.in_channels * (2 if model.learn_sigma else 1)) == 2 * model.in_channels
+        out_channels = model.out_channels or model.in_channels * (2 if model.learn_sigma else 1)
+        learns_sigma = out_channels == 2 * model.in_channels
         if variance == "learned" or not learns_sigma:
             raise ValueError(f"{name}(variance_type={variance!r}) cannot read this model's output (learn_sigma="
                              f"{learns_sigma}); use variance_type='learned_range' for a model that learns sigma, "
@@ -283,7 +286,7 @@ class MoHDiTPipeline(DiffusionPipeline, SanaLoraLoaderMixin):
         # the model's range check, for every step's ratio, before the first step
         saved = self.transformer.head_activation_ratio
         try:
-            for ratio in [head_activation_ratio] if ratios is None and head_activation_ratio is not None else ratios or ():
+            for ratio in ratios or ([] if head_activation_ratio is None else [head_activation_ratio]):
                 self.transformer.set_head_activation_ratio(ratio)
         finally:
             self.transformer.set_head_activation_ratio(saved)
@@ -312,7 +315,8 @@ class MoHDiTPipeline(DiffusionPipeline, SanaLoraLoaderMixin):
             return [float(ratio(int(t) if float(t).is_integer() else t)) for t in steps]
         ratios = [float(r) for r in ratio]
         if len(ratios) != n:
-            raise ValueError(f"head_activation_ratio has {len(ratios)} per-step ratios for {n} steps; give one per step.")
+            raise ValueError(f"head_activation_ratio has {len(ratios)} per-step ratios for {n} steps; give one per "
+                             "step.")
         return ratios
 
     # ------------------------------------------------------------------ call
@@ -422,18 +426,21 @@ class MoHDiTPipeline(DiffusionPipeline, SanaLoraLoaderMixin):
                 y = torch.cat([labels, torch.full_like(labels, config.num_classes)]) if guided else labels
                 model_in = self.scheduler.scale_model_input(model_in, t)
                 t_in = torch.as_tensor(t, device=device).reshape(1).expand(model_in.shape[0])
-                out = model(model_in.to(model.dtype), timestep=t_in, class_labels=y, output_head_usage=output_head_usage)
+                out = model(model_in.to(model.dtype), timestep=t_in, class_labels=y,
+                            output_head_usage=output_head_usage)
                 pred = out.sample.float()  # (B or 2B, C or 2C, H, W)
                 if guided:
                     cond, uncond = pred.chunk(2)
-                    eps = uncond[:, :num_guided] + self._guidance_scale * (cond[:, :num_guided] - uncond[:, :num_guided])
-                    pred = torch.cat([eps, cond[:, num_guided:]], dim=1)  # (B, C or 2C, H, W)
+                    cond, uncond, rest = cond[:, :num_guided], uncond[:, :num_guided], cond[:, num_guided:]
+                    eps = uncond + self._guidance_scale * (cond - uncond)  # (B, guided channels, H, W)
+                    pred = torch.cat([eps, rest], dim=1)  # (B, C or 2C, H, W)
                 if not takes_variance:
                     pred = pred[:, :config.in_channels]
                 x = self.scheduler.step(pred, t, x, **step_kwargs).prev_sample
                 if callback_on_step_end is not None:
                     tensors = {"latents": x}
-                    outputs = callback_on_step_end(self, index, t, {k: tensors[k] for k in callback_on_step_end_tensor_inputs})
+                    inputs = {k: tensors[k] for k in callback_on_step_end_tensor_inputs}
+                    outputs = callback_on_step_end(self, index, t, inputs)
                     x = outputs.pop("latents", x)
                 if output_head_usage:
                     used = [u.float() for u in out.head_usage]

@@ -24,8 +24,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-__all__ = ["GaussianDiffusion", "create_diffusion", "space_timesteps", "normal_kl", "discretized_gaussian_log_likelihood",
-           "mean_flat"]
+__all__ = ["GaussianDiffusion", "create_diffusion", "space_timesteps", "normal_kl",
+           "discretized_gaussian_log_likelihood", "mean_flat"]
 
 
 def mean_flat(x: torch.Tensor) -> torch.Tensor:
@@ -155,8 +155,9 @@ class GaussianDiffusion:
 
     def q_posterior_mean_variance(self, x_start: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor):
         """Mean (x_t's shape), variance and clipped log variance ((B, 1, ..., 1)) of q(x_{t-1} | x_t, x_0)."""
-        mean = self._extract("posterior_mean_coef1", t, x_t) * x_start + self._extract("posterior_mean_coef2", t, x_t) * x_t
-        return mean, self._extract("posterior_variance", t, x_t), self._extract("posterior_log_variance_clipped", t, x_t)
+        coef1, coef2 = self._extract("posterior_mean_coef1", t, x_t), self._extract("posterior_mean_coef2", t, x_t)
+        variance = self._extract("posterior_variance", t, x_t)
+        return coef1 * x_start + coef2 * x_t, variance, self._extract("posterior_log_variance_clipped", t, x_t)
 
     def p_mean_variance(self, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
                         clip_denoised: bool = False) -> dict[str, torch.Tensor]:

@@ -19,16 +19,16 @@ path. Opt in with ``model.set_sparse_inference(True)``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .transformer_moh_dit import MoHAttention, MoHAttnProcessor, MoHRouting
-
 __all__ = ["MoHSparseAttnProcessor", "per_head_attention"]
 
 
-def _plan(routing: MoHRouting, gates: torch.Tensor, shared: int):
+def _plan(routing: Any, gates: torch.Tensor, shared: int):
     """Which token uses which routed head (one host sync). Tokens are grouped by (live routed
     head, image); slot c of a group holds the c-th token of that image that selected the head,
     groups padded to the largest, C, so that all live heads attend in one SDPA call. Unused
@@ -56,8 +56,9 @@ def _plan(routing: MoHRouting, gates: torch.Tensor, shared: int):
     return live, head_ids, cap, x_row, in_use, slot_gate, sizes
 
 
-def per_head_attention(attn: MoHAttention, hidden_states: torch.Tensor, routing: MoHRouting) -> torch.Tensor:
-    """(B, N, D) -> the layer's output before ``to_out``'s dropout, (B, N, D)."""
+def per_head_attention(attn: Any, hidden_states: torch.Tensor, routing: Any) -> torch.Tensor:
+    """(B, N, D) -> the output of ``MoHAttention`` ``attn`` before ``to_out``'s dropout, (B, N, D), for its
+    ``MoHRouting``."""
     batch, tokens, dim = hidden_states.shape
     heads, shared = attn.heads, attn.num_shared_heads
     head_dim, rows = attn.inner_dim // heads, batch * tokens
@@ -112,20 +113,21 @@ def per_head_attention(attn: MoHAttention, hidden_states: torch.Tensor, routing:
     return out.view(batch, tokens, dim)
 
 
-class MoHSparseAttnProcessor(MoHAttnProcessor):
+class MoHSparseAttnProcessor:
     """Head-sparse MoH attention; the call and the result of ``MoHAttnProcessor`` (gradients too).
 
     Where there is nothing to skip (no routed heads, a top-K holding every routed head), inside an
     autocast region (the projections would change dtype), or when a projection is not a plain
-    ``nn.Linear`` (a LoRA layer: this reads the raw weights), it computes dense-masked.
+    ``nn.Linear`` (a LoRA layer: this reads the raw weights), the layer's dense-masked processor runs.
     """
 
-    def __call__(self, attn: MoHAttention, hidden_states: torch.Tensor,
-                 routing: MoHRouting | None = None) -> torch.Tensor:
+    computes_moh = True  # routes and gates itself, as MoHAttnProcessor does
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, routing: Any = None) -> torch.Tensor:
         plain = all(type(m) is nn.Linear for m in (attn.to_q, attn.to_k, attn.to_v, attn.to_out[0]))
         if (not attn.is_moh or attn.top_k >= attn.num_routed_heads or not plain
                 or torch.is_autocast_enabled(hidden_states.device.type)):
-            return super().__call__(attn, hidden_states, routing)
+            return attn._default_processor_cls()(attn, hidden_states, routing)
         routing = attn.route(hidden_states) if routing is None else routing
         attn.routing = routing
         return attn.to_out[1](per_head_attention(attn, hidden_states, routing))

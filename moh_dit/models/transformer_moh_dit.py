@@ -182,6 +182,8 @@ class MoHAttnProcessor:
     output projection. ``routing`` given replaces the layer's own. The call's routing is left on
     ``attn.routing``, where the block reads its statistics."""
 
+    computes_moh = True  # routes and gates itself (``MoHAttention.forward`` applies no gates around it)
+
     def __call__(self, attn: "MoHAttention", hidden_states: torch.Tensor,
                  routing: MoHRouting | None = None) -> torch.Tensor:
         batch, tokens, _ = hidden_states.shape
@@ -214,6 +216,8 @@ class MoHAttention(Attention):
     ``forward`` returns the hidden states and leaves the call's :class:`MoHRouting` on ``routing``.
     Any diffusers processor can be set; on a MoH layer it still computes MoH.
     """
+
+    _default_processor_cls = MoHAttnProcessor
 
     def __init__(self, query_dim: int, heads: int, dim_head: int, num_shared_heads: int | None = None,
                  top_k: int | None = None, gate_mode: str = "release", bias: bool = True):
@@ -273,11 +277,11 @@ class MoHAttention(Attention):
         return MoHRouting(gates, routed_index, routed_gates, probs)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(B, N, D) -> (B, N, D). MoH's processors compute the routing themselves; any other
+        """(B, N, D) -> (B, N, D). MoH's processors (``computes_moh``) route and gate themselves; any other
         processor (diffusers' ``AttnProcessor2_0``, a user's) runs with this layer's gates applied
         where diffusers' processors hand the heads, (B, N, h*d), to ``to_out[0]``."""
         self.routing = None
-        if not self.is_moh or isinstance(self.processor, MoHAttnProcessor):
+        if not self.is_moh or getattr(self.processor, "computes_moh", False):
             return self.processor(self, hidden_states)
         routing = self.route(hidden_states)
 
