@@ -88,6 +88,10 @@ def publish_folder(path: str | os.PathLike) -> Iterator[Path]:
     tmp.mkdir(mode=0o777)  # the umask applies, as for any mkdir
     try:
         yield tmp
+        mode = tmp.stat().st_mode & 0o666  # the umask's, as mkdir applied it
+        for file in tmp.rglob("*"):  # safetensors writes its files readable by their owner alone
+            if file.is_file() and not file.is_symlink():
+                file.chmod(mode)
         old = None
         if path.exists() or path.is_symlink():
             old = path.parent / f"{SCRATCH}{path.name}-old-{secrets.token_hex(4)}"

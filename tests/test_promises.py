@@ -205,12 +205,13 @@ def test_files_get_the_permissions_the_umask_gives(tmp_path):
         with output_folder(tmp_path / "model", "convert", publish=True) as folder:
             write_json(folder / "config.json", {})
             (folder / "sub").mkdir()
+            os.close(os.open(folder / "sub" / "weights.safetensors", os.O_CREAT | os.O_WRONLY, 0o600))  # as safetensors
     finally:
         os.umask(before)
     model = tmp_path / "model"
     assert stat.S_IMODE(model.stat().st_mode) == 0o750 and stat.S_IMODE((model / "sub").stat().st_mode) == 0o750
-    assert stat.S_IMODE((model / "config.json").stat().st_mode) == 0o640
-    assert stat.S_IMODE((model / MARKER).stat().st_mode) == 0o640
+    for file in ("config.json", "sub/weights.safetensors", MARKER):
+        assert stat.S_IMODE((model / file).stat().st_mode) == 0o640, file
 
 
 # ----- failing early blocks nothing -------------------------------------------------------------

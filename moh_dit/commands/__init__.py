@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "build_parser", "main", "message", "run"]
 
 # command -> its module in this package
 COMMANDS = {
