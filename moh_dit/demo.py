@@ -74,17 +74,13 @@ def _classifier(folder: Path, data: Path, image_size: int, seed: int) -> float:
 def _train(run: Path, preset: str, data: Path, image_size: int, steps: int, batch_size: int, seed: int,
            **options) -> Path:
     """One training run of the demo's recipe; a finished one is kept, a stopped one resumed."""
-    from .training import TrainConfig, find_latest_checkpoint, train
+    from .training import TrainConfig, train
 
     if (run / "final").is_dir():
         return run / "final"
-    resume = "latest" if find_latest_checkpoint(run) is not None else None
-    if resume:
-        options.pop("init_from", None)
     return train(TrainConfig(output_dir=str(run), preset=preset, data_dir=str(data), image_size=image_size,
                              max_steps=steps, global_batch_size=batch_size, checkpoint_every=max(1, steps // 3),
-                             resume=resume, seed=seed,
-                             **RECIPE, **options))
+                             resume="latest", seed=seed, **RECIPE, **options))
 
 
 def _features(inception_weights: str | None) -> dict[str, Any]:
