@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import argparse
 
+from .train import int_range
+
 DESCRIPTION = "a local web page: sample at any head activation ratio, with the head usage beside the images"
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: give an int >= 1")
-    return value
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +20,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every network)")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--share", action="store_true", help="also a temporary public link through Gradio")
-    parser.add_argument("--max-images", type=_positive, default=16, help="images a request (default: 16)")
-    parser.add_argument("--max-steps", type=_positive, default=250, help="denoising steps a request (default: 250)")
+    parser.add_argument("--max-images", type=int_range(1, 256), default=16, help="images a request (default: 16)")
+    parser.add_argument("--max-steps", type=int_range(1, 1000), default=250, help="steps a request (default: 250)")
 
 
 def main(args: argparse.Namespace) -> None:
