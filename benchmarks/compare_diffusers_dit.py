@@ -17,7 +17,6 @@ import tempfile
 import torch
 from diffusers.models.embeddings import get_timestep_embedding
 
-from moh_dit.utils.cli import run_cli
 from moh_dit.hub.convert import convert_checkpoint
 from moh_dit.models.presets import PRESETS
 
@@ -71,4 +70,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, parse_args))
+    sys.exit(main(parse_args()))

@@ -60,7 +60,7 @@ def forwards() -> dict[str, str]:
                     result = model(x, t, y, output_head_usage=True)
                 out[f"{preset} ratio={ratio} sparse={sparse}"] = digest([result.sample, *result.head_usage])
         model.set_head_activation_ratio(None)
-        model.set_sparse_inference(None)
+        model.set_sparse_inference(False)
         model.train()
         result = model(x, t, y, force_drop_ids=torch.tensor([0, 1, 0]))
         loss = result.sample.square().mean() + (result.load_balance_loss if result.load_balance_loss is not None else 0)
@@ -71,7 +71,7 @@ def forwards() -> dict[str, str]:
 
 def pipelines() -> dict[str, str]:
     from moh_dit import MoHDiTPipeline, MoHDiTTransformer2DModel
-    from moh_dit.diffusion.schedulers import make_scheduler
+    from moh_dit.diffusion import make_scheduler
 
     model = randomized(MoHDiTTransformer2DModel.from_preset("MoH-DiT-Tiny/2"))
     out = {}

@@ -9,8 +9,8 @@ and -75, measured side by side in one run, as JSON and a markdown table.
 ``train``: for each model, the largest batch of ``--batches`` that fits (eager; the compiled
 model then runs the same batch), one training step as ``scripts/train.py`` takes it (diffusion
 loss plus the load-balance loss, bf16 autocast, fused AdamW on CUDA, the foreach EMA update),
-eager and compiled per block; ms/step, images/s and MFU (``moh_dit.utils.speed``: 3 x forward
-FLOPs on the dense-masked path against the device's peak). ``sample``: MoH-DiT-XL/2-90 at
+eager and compiled per block; ms/step, images/s and MFU (3 x forward
+FLOPs on the dense-masked path against the device's datasheet peak). ``sample``: MoH-DiT-XL/2-90 at
 256 px (32 x 32 latents, no VAE decode), DDPM with learned variance and guidance, eager and
 compiled; images/s and what 50K images take at that rate. ``forward``: one forward of each
 model at its trained head ratio (bf16 weights), eager and compiled, median of interleaved
@@ -29,16 +29,16 @@ import time
 import torch
 
 from moh_dit import MoHDiTTransformer2DModel
-from moh_dit.utils.cli import run_cli
-from moh_dit.diffusion.gaussian_diffusion import create_diffusion
-from moh_dit.utils.io import atomic_write, write_json_atomic
-from moh_dit.utils.speed import compile_model, peak_flops, training_flops_per_image
-from moh_dit.training import update_ema
+from moh_dit.diffusion import create_diffusion
+from moh_dit.models import forward_flops
+from moh_dit.outputs import atomic_write, write_json
+from moh_dit.training import compile_model, update_ema
+from moh_dit.training.trainer import GPU_PEAK_TFLOPS
 
 from common import interleaved_medians, pick_device, randomize_weights_, sync
 
-FULL = dict(models=("DiT-XL/2", "MoH-DiT-XL/2-90", "MoH-DiT-XL/2-75"), batches=(256, 192, 128, 96, 64, 32),
-            train_steps=10, sample_model="MoH-DiT-XL/2-90", sample_batch=32, sample_steps=250, forward_batch=32,
+FULL = dict(models=("DiT-XL/2", "MoH-DiT-XL/2-90", "MoH-DiT-XL/2-75"), batches=(256, 128, 64, 32),
+            train_steps=8, sample_model="MoH-DiT-XL/2-90", sample_batch=64, sample_steps=250, forward_batch=32,
             forward_repeats=15)
 TINY = dict(models=("DiT-Tiny", "MoH-DiT-Tiny"), batches=(8, 4), train_steps=2, sample_model="MoH-DiT-Tiny",
             sample_batch=2, sample_steps=3, forward_batch=2, forward_repeats=2)
@@ -49,6 +49,23 @@ def _model(name: str, device: torch.device, tiny: bool) -> MoHDiTTransformer2DMo
     overrides = dict(sample_size=8) if tiny else {}
     torch.manual_seed(0)
     return randomize_weights_(MoHDiTTransformer2DModel.from_preset(name, **overrides)).to(device)
+
+
+def peak_flops(device: torch.device) -> tuple[float, str]:
+    """(bf16 peak FLOP/s, where it came from): a known GPU's datasheet figure, else a timed matmul."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peaks in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return peaks[0] * 1e12, f"datasheet bf16 peak of {name}: {peaks[0]:g} TFLOP/s"
+    a = torch.randn(1024, 1024, device=device)
+    torch.mm(a, a)
+    sync(device)
+    start = time.perf_counter()
+    torch.mm(a, a)
+    sync(device)
+    measured = 2 * 1024**3 / (time.perf_counter() - start)
+    return measured, f"measured fp32 matmul on {device.type}: {measured / 1e9:.3g} GFLOP/s"
 
 
 def _is_oom(error: BaseException) -> bool:
@@ -109,7 +126,7 @@ def _largest_batch(name: str, batches, device, tiny: bool, autocast: bool) -> in
 
 def train_rows(sizes: dict, device: torch.device, tiny: bool, emit, modes=(False, True)) -> None:
     autocast = device.type == "cuda"
-    peak, source = peak_flops(device, torch.bfloat16 if autocast else torch.float32)
+    peak, source = peak_flops(device)
     for name in sizes["models"]:
         batch = _largest_batch(name, sizes["batches"], device, tiny, autocast)
         if batch is None:
@@ -117,7 +134,7 @@ def train_rows(sizes: dict, device: torch.device, tiny: bool, emit, modes=(False
             continue
         for compiled in modes:
             model = _model(name, device, tiny)
-            flops = training_flops_per_image(model)
+            flops = 3 * forward_flops(model, ratio=1.0)  # backward = two forwards
             if compiled:
                 compile_model(model, per_block=True)
             trainer = _Trainer(model, device, autocast)
@@ -139,7 +156,13 @@ def sample_rows(sizes: dict, device: torch.device, tiny: bool, emit, modes=(Fals
     model = _model(sizes["sample_model"], device, tiny).eval()
     if device.type == "cuda":
         model = model.to(torch.bfloat16)
-    pipe = MoHDiTPipeline(transformer=model, scheduler=make_scheduler("ddpm"))
+    from diffusers import AutoencoderKL
+
+    # A tiny VAE the latent output never runs: the pipeline wants one for a latent model.
+    vae = AutoencoderKL(block_out_channels=[4, 4, 4, 4], norm_num_groups=4, layers_per_block=1,
+                        latent_channels=model.config.in_channels, down_block_types=["DownEncoderBlock2D"] * 4,
+                        up_block_types=["UpDecoderBlock2D"] * 4).to(device)
+    pipe = MoHDiTPipeline(transformer=model, scheduler=make_scheduler("ddpm"), vae=vae)
     pipe.set_progress_bar_config(disable=True)
     batch, steps = sizes["sample_batch"], sizes["sample_steps"]
     kwargs = dict(class_labels=list(range(batch)), guidance_scale=1.5, guidance_channels="dit",
@@ -214,7 +237,7 @@ def main(args: argparse.Namespace) -> int:
         rows.append(row)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         if args.json:
-            write_json_atomic(args.json, {"machine": machine, "section": args.section, "rows": rows})
+            write_json(args.json, {"machine": machine, "section": args.section, "rows": rows})
         if args.markdown:
             with atomic_write(args.markdown, "w") as f:
                 f.write(_markdown(f"{args.section} ({machine['device']}, torch {machine['torch']})", rows))
@@ -226,4 +249,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, parse_args))
+    sys.exit(main(parse_args()))

@@ -17,7 +17,7 @@ import math
 import os
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -488,3 +488,15 @@ def evaluate(samples: Any, reference: str | os.PathLike | Reference, *, extracto
     if meter is not None:
         result.update(meter.result())
     return result
+
+
+def class_accuracy(classifier: Any, images: Any, labels: Sequence[int],
+                   class_map: dict[int, int] | None = None, batch_size: int = 100) -> dict[str, Any]:
+    """Class accuracy of ``images`` (anything :func:`open_images` takes) made for ``labels``."""
+    from . import classes
+
+    images = open_images(images)
+    meter = classes.ClassAccuracyMeter(classifier, labels, class_map, images.count)
+    for batch in images.batches(batch_size, 0):
+        meter.update(batch)
+    return meter.result()

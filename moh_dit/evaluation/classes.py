@@ -249,15 +249,3 @@ class ClassAccuracyMeter:
         per_class = {classifier.classes[t]: float(correct[self.targets == t].mean()) for t in np.unique(self.targets)}
         return {"class_accuracy": float(correct.mean()), "class_accuracy_per_class": per_class,
                 "classifier": classifier.identity, "classifier_held_out_accuracy": classifier.held_out_accuracy}
-
-
-def class_accuracy(classifier: SampleClassifier, images: Any, labels: Sequence[int],
-                   class_map: dict[int, int] | None = None, batch_size: int = 100) -> dict[str, Any]:
-    """Class accuracy of ``images`` (anything :func:`~.adm.open_images` takes) made for ``labels``."""
-    from .adm import open_images
-
-    images = open_images(images)
-    meter = ClassAccuracyMeter(classifier, labels, class_map, images.count)
-    for batch in images.batches(batch_size, 0):
-        meter.update(batch)
-    return meter.result()

@@ -1,1 +1,0 @@
-"""Developer helpers: speed (peak FLOP/s, MFU, compile) and figures."""
