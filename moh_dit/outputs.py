@@ -52,7 +52,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as error:  # a full disk names the file it was writing
-        if error.filename is None:
+        if error.filename is None and error.errno is not None:
             raise OSError(error.errno, error.strerror, str(path)) from error
         raise
     finally:
