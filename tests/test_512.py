@@ -75,6 +75,7 @@ def model_512(tmp_path_factory, randomize, tiny_vae):
     return root
 
 
+@pytest.mark.slow
 def test_sample_script_at_512_px(model_512, tmp_path, load_script):
     out = tmp_path / "samples"
     code = load_script("sample").cli(["--model", str(model_512 / "model"), "--vae", str(model_512 / "vae"),

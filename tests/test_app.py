@@ -34,6 +34,7 @@ def pipe(tiny_pipe):
     return made
 
 
+@pytest.mark.slow
 def test_a_request_gives_the_pipelines_images_and_numbers(pipe):
     images, record, figure = generate(pipe, ["blue square", "1"], seeds_per_class=2, first_seed=5, guidance_scale=2.0,
                                       num_inference_steps=2, head_activation_ratio=0.5)

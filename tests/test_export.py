@@ -96,6 +96,7 @@ def test_the_folder_holds_the_package_code_as_it_is(exported):
     assert (exported / "head_usage.png").read_bytes() == b"\x89PNG figure"
 
 
+@pytest.mark.slow
 def test_moh_dit_loads_the_export_and_samples_the_same_images(exported, source, tmp_path):
     _, pipe = source
     loaded = MoHDiTPipeline.from_pretrained(exported)

@@ -101,6 +101,7 @@ def _plotted(image):
     return np.ma.filled(np.ma.asarray(image.get_array(), dtype=np.float64), np.nan)
 
 
+@pytest.mark.slow
 def test_the_figure_draws_the_measured_values(measured, tmp_path):
     _, usage, calls = measured
     figure = plot_head_usage(usage, "tiny")
@@ -175,6 +176,7 @@ def run(*argv):
     command.main(build_parser("plot-head-usage").parse_args([str(a) for a in argv]))
 
 
+@pytest.mark.slow
 def test_a_log_in_the_current_folder_plots_below_it_never_into_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _write_log(tmp_path / "head_usage.jsonl", [1, 2, 3, 4])

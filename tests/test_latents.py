@@ -124,6 +124,7 @@ def test_corrupt_images_stop_or_are_skipped_and_a_failed_start_blocks_nothing(va
     assert [LatentDataset(out)[i][1] for i in range(8)] == ImageFolderDataset(image_dir, SIZE).targets
 
 
+@pytest.mark.slow
 def test_an_interrupted_extraction_resumes_by_shard(vae_dir, image_dir, tmp_path, monkeypatch):
     out, calls, real = tmp_path / "latents", [], latents_mod.encode_distribution
 

@@ -154,6 +154,7 @@ def test_a_schedule_samples_the_pipelines_images(tmp_path, model_dir):
     assert not (tmp_path / "out" / "samples.npz").exists()
 
 
+@pytest.mark.slow
 def test_load_pipeline_takes_pipeline_run_and_transformer_folders(tmp_path, sampling_pipe, tiny_vae):
     pipe = sampling_pipe(dtype=torch.float32, clip_sample=False)
     pipe.scheduler = make_scheduler("ddim")

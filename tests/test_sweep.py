@@ -81,6 +81,7 @@ def _pngs(folder, n=5):
     return np.stack([np.asarray(PIL.Image.open(png_path(folder, i))) for i in range(n)])
 
 
+@pytest.mark.slow
 def test_rows_merge_requests_and_count_the_models_flops(swept, model_dir):
     result, _ = swept
     rows = {row["ratio"]: row for row in result["rows"]}
@@ -166,6 +167,7 @@ def test_intervals(swept, model_dir, reference_dir):
     assert wilson_interval(10, 10) == pytest.approx((0.72247, 1.0), abs=1e-5)
 
 
+@pytest.mark.slow
 def test_class_accuracy_of_each_ratio(model_dir, reference_dir, tmp_path):
     from moh_dit.evaluation import SampleClassifier, SmallCNN, class_accuracy
 

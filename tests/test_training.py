@@ -104,6 +104,7 @@ def test_a_vae_run_encodes_on_the_fly(tmp_path, data, tiny_vae):
     assert pipe.transformer.config.in_channels == 4 and pipe.transformer.config.sample_size == 8 and pipe.vae
 
 
+@pytest.mark.slow
 def test_a_latent_cache_run_takes_the_caches_size_and_vae(tmp_path, data, tiny_vae):
     from moh_dit.data.latents import extract_latents
 
@@ -186,6 +187,7 @@ def test_resume_is_exact_after_a_crash(tmp_path, data, monkeypatch):
         [json.loads(b)["loss"] for b in (two / "train_log.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_rotation_named_checkpoints_and_an_interrupted_save(tmp_path, data, monkeypatch):
     import moh_dit.training.checkpoint as checkpoint
 
@@ -295,6 +297,7 @@ def _capture_grads(monkeypatch):
     return grads
 
 
+@pytest.mark.slow
 def test_an_accumulated_step_equals_one_big_batch(tmp_path, data, monkeypatch):
     """2 passes of 2 images with accumulation 2 give the gradient of one pass of 4 (one timestep
     for all, and noise a function of the image, so both see the same draws)."""
@@ -339,6 +342,7 @@ def test_batch_splits_and_the_config_checks(tmp_path, data):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_bad_data_found_after_the_folder_was_taken_blocks_no_rerun(tmp_path):
     data = make_image_folder(tmp_path / "data", per_class=2)
     (data / "blue" / "0.png").write_bytes(b"not a png at all")
@@ -353,6 +357,7 @@ def test_bad_data_found_after_the_folder_was_taken_blocks_no_rerun(tmp_path):
     assert json.loads((tmp_path / "b" / "train_log.jsonl").read_text().splitlines()[-1])["images_skipped"] >= 1
 
 
+@pytest.mark.slow
 def test_the_command_line(tmp_path, data, capsys, refuses, monkeypatch):
     run_dir = tmp_path / "run"
     argv = cli_args(run_dir, data, "--preset", "MoH-DiT-Tiny")

@@ -68,6 +68,7 @@ def test_the_trainers_draw_is_the_one_the_model_made():
     assert not trainer.label_drop_mask(labels, 0.0).any() and torch.equal(torch.get_rng_state(), state)
 
 
+@pytest.mark.slow
 def test_router_warmup_from_init_from_trains_only_routers_then_everything(tmp_path, data, custom):
     """Steps 1-2 move only the routers (every other weight and the EMA's stay the saved ones, bit
     for bit); steps 3-4 move everything. The architecture is the folder's: no preset."""

@@ -78,6 +78,7 @@ def test_the_rule_in_numbers():
             upcycle_layout([5] * 5, ratio)
 
 
+@pytest.mark.slow
 def test_presets_keep_their_layouts_and_other_ratios_take_the_rule():
     with torch.device("meta"):
         xl2, xl4, tiny = (MoHDiTTransformer2DModel.from_preset(n) for n in ("DiT-XL/2", "DiT-XL/4", "DiT-Tiny"))
@@ -124,6 +125,7 @@ def test_every_dense_weight_is_kept(dense):
     assert all(torch.equal(src[k], dst[k]) for k in src if ".attn1." not in k)
 
 
+@pytest.mark.slow
 def test_importance_finds_a_silenced_and_a_loud_head(dense):
     with torch.no_grad():
         w = dense.transformer_blocks[2].attn1.to_out[0].weight
@@ -197,6 +199,7 @@ def _image_folder(root, classes=3, per_class=4, size=8):
     return root
 
 
+@pytest.mark.slow
 def test_the_command_upcycles_a_release_checkpoint(tmp_path, randomize, capsys):
     dense = randomize(MoHDiTTransformer2DModel.from_preset("DiT-Tiny", sample_size=8), seed=4).eval()
     torch.save({"ema": model_to_release_state_dict(dense)}, tmp_path / "dense.pt")
