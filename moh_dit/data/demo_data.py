@@ -54,7 +54,8 @@ def _shape_polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> 
         pts = [(R * math.cos(a), R * math.sin(a)) for a in (-math.pi / 2, math.pi / 6, 5 * math.pi / 6)]
     elif shape == "cross":
         a, w = 1.1 * r, 0.30 * r  # arm half-length, arm half-width: long thin arms read as a cross at 16 px
-        pts = [(-w, -a), (w, -a), (w, -w), (a, -w), (a, w), (w, w), (w, a), (-w, a), (-w, w), (-a, w), (-a, -w), (-w, -w)]
+        pts = [(-w, -a), (w, -a), (w, -w), (a, -w), (a, w), (w, w),
+               (w, a), (-w, a), (-w, w), (-a, w), (-a, -w), (-w, -w)]
     else:
         raise ValueError(f"unknown shape {shape!r}; choose from {DEMO_SHAPES}")
     c, s = math.cos(angle), math.sin(angle)
