@@ -14,10 +14,36 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import os
 import sys
 
-__all__ = ["COMMANDS", "build_parser", "main", "message", "run"]
+__all__ = ["COMMANDS", "build_parser", "float_range", "int_range", "main", "message", "run"]
+
+
+def int_range(low: int, high: int | None = None):
+    """An argparse type: an int in [low, high]."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}" if high is not None
+                                             else f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = "int"  # argparse names the type in "invalid int value"
+    return parse
+
+
+def float_range(low: float, high: float | None = None, *, above: bool = False):
+    """An argparse type: a finite float >= low (> low with ``above``) and < high."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value) or value < low or (above and value == low) or (high is not None and value >= high):
+            raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {low}"
+                                             + (f" and < {high}" if high is not None else "") + f", got {text}")
+        return value
+    parse.__name__ = "float"
+    return parse
+
 
 # command -> its module in this package
 COMMANDS = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .train import int_range
+from . import int_range
 
 DESCRIPTION = "a local web page: sample at any head activation ratio, with the head usage beside the images"
 

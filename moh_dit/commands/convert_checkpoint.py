@@ -9,19 +9,9 @@ from __future__ import annotations
 
 import argparse
 
+from . import int_range
+
 DESCRIPTION = "convert the release's, facebookresearch's or diffusers' DiT checkpoints into a model folder"
-
-
-def bounded_int(low: int, high: int):
-    """An argparse type: an int in [low, high] (sizes that would exhaust the machine are refused here)."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{text}: give an int in [{low}, {high}]")
-        return value
-
-    parse.__name__ = "int"
-    return parse
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -35,9 +25,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="the model folder to write (built aside and renamed into place)")
     parser.add_argument("--weights", choices=["ema", "model"], default="ema",
                         help="which weights of a training checkpoint (default: ema, used for sampling)")
-    parser.add_argument("--sample-size", type=bounded_int(1, 512), default=None,
+    parser.add_argument("--sample-size", type=int_range(1, 512), default=None,
                         help="latent size: 32 for 256 px, 64 for 512 px (default: read from the checkpoint)")
-    parser.add_argument("--num-classes", type=bounded_int(1, 100_000), default=None,
+    parser.add_argument("--num-classes", type=int_range(1, 100_000), default=None,
                         help="number of classes (default: read from the checkpoint)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier conversion at --output-dir")
     parser.add_argument("--allow-divergent-embeddings", action="store_true",

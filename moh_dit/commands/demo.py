@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from .train import int_range
+from . import int_range
 
 DESCRIPTION = "the whole job offline on the CPU, on data the package draws"
 

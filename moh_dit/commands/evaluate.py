@@ -5,20 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from . import int_range
+
 DESCRIPTION = "FID, sFID, IS, precision/recall and class accuracy of samples"
-
-
-def number_in(kind: type, low: float, high: float = float("inf"), *, open_interval: bool = False):
-    """An argparse type: a ``kind`` in [low, high], or in (low, high) with ``open_interval`` (NaN never)."""
-    def parse(text: str):
-        value = kind(text)
-        if not (low < value < high if open_interval else low <= value <= high):
-            raise argparse.ArgumentTypeError(f"must be in {'(' if open_interval else '['}{low}, {high}"
-                                             f"{')' if open_interval else ']'}, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -28,18 +17,18 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--inception-weights", help="torch-fidelity's weights-inception-2015-12-05-6726825d.pth "
                          "(default: $MOH_DIT_INCEPTION_WEIGHTS, the torch hub cache, else a download)")
-    weights.add_argument("--random-inception-seed", type=number_in(int, 0, 2**64 - 1),
+    weights.add_argument("--random-inception-seed", type=int_range(0, 2**64 - 1),
                          help="a random Inception with this seed: offline smoke tests, NOT comparable to published")
     parser.add_argument("--no-download", action="store_true", help="never download the Inception weights")
     parser.add_argument("--output", help="write the results to this JSON file")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when there is one)")
-    parser.add_argument("--batch-size", type=number_in(int, 1, 4096), default=64, help="images per Inception pass")
-    parser.add_argument("--num-workers", type=number_in(int, 0, os.cpu_count() or 1), default=4,
+    parser.add_argument("--batch-size", type=int_range(1, 4096), default=64, help="images per Inception pass")
+    parser.add_argument("--num-workers", type=int_range(0, os.cpu_count() or 1), default=4,
                         help="image decoding processes for folders")
     parser.add_argument("--cache-dir", help="reference statistics cache (default: $MOH_DIT_CACHE/reference_stats, "
                         "else ~/.cache/moh-dit/reference_stats)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the reference cache")
-    parser.add_argument("--split-size", type=number_in(int, 1), default=5000, help="Inception Score split (ADM: 5000)")
+    parser.add_argument("--split-size", type=int_range(1), default=5000, help="Inception Score split (ADM: 5000)")
     parser.add_argument("--allow-resolution-mismatch", action="store_true",
                         help="evaluate samples whose resolution is not the reference's (recorded in the JSON)")
     parser.add_argument("--classifier", help="class accuracy with a train-classifier folder or torchvision:NAME")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from .sample import DTYPES, int_range
+from . import int_range
+from .sample import DTYPES
 
 DESCRIPTION = "figures of which heads each layer uses (from samples or a training log)"
 

@@ -13,19 +13,10 @@ from __future__ import annotations
 import argparse
 import logging
 
+from . import int_range
+
 DESCRIPTION = "sample images (PNG folder and ADM .npz) with any number of processes"
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def int_range(low: int, high: int):
-    """An argparse type: an int in [low, high]."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
-        return value
-    parse.__name__ = "int"  # argparse names the type in "invalid int value"
-    return parse
 
 
 def ratio(text: str) -> float | str:

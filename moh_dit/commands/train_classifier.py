@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from moh_dit.commands.evaluate import number_in
+from . import float_range, int_range
 
 DESCRIPTION = "train the small classifier behind class accuracy"
 
@@ -16,15 +16,15 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="real images, one folder per class")
     parser.add_argument("--output-dir", "--output_dir", "--output", dest="output_dir", required=True,
                         help="the classifier folder to write (built aside and renamed into place)")
-    parser.add_argument("--image-size", type=number_in(int, 8, 1024), default=32,
+    parser.add_argument("--image-size", type=int_range(8, 1024), default=32,
                         help="images are centre-cropped and resized to this (samples too)")
-    parser.add_argument("--epochs", type=number_in(int, 1), default=4)
-    parser.add_argument("--batch-size", type=number_in(int, 1, 65536), default=64)
-    parser.add_argument("--learning-rate", type=number_in(float, 0, open_interval=True), default=3e-3)
-    parser.add_argument("--width", type=number_in(int, 1, 1024), default=16, help="channels of the first stage")
-    parser.add_argument("--held-out-fraction", type=number_in(float, 0, 1, open_interval=True), default=0.1,
+    parser.add_argument("--epochs", type=int_range(1), default=4)
+    parser.add_argument("--batch-size", type=int_range(1, 65536), default=64)
+    parser.add_argument("--learning-rate", type=float_range(0, above=True), default=3e-3)
+    parser.add_argument("--width", type=int_range(1, 1024), default=16, help="channels of the first stage")
+    parser.add_argument("--held-out-fraction", type=float_range(0, 1, above=True), default=0.1,
                         help="of each class, kept out of training")
-    parser.add_argument("--seed", type=number_in(int, 0, 2**63 - 1), default=0)
+    parser.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0)
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier classifier at --output-dir")
 
 

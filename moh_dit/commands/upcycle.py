@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from moh_dit.commands.convert_checkpoint import bounded_int
+from . import int_range
 
 DESCRIPTION = "turn a dense DiT into a MoH-DiT (head importance, head choice, weight transfer)"
 
@@ -40,15 +40,15 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     add("--top-k", type=_per_layer, default=None, help="routed top-K: one number or one per layer")
     add("--calibration-data", dest="calibration", metavar="DIR", default=None,
         help="an image folder or a latent cache to measure head importance on")
-    add("--calibration-batches", dest="calibration_batches_count", metavar="N", type=bounded_int(1, 10_000), default=4,
+    add("--calibration-batches", dest="calibration_batches_count", metavar="N", type=int_range(1, 10_000), default=4,
         help="batches of calibration data (default: %(default)s)")
-    add("--batch-size", type=bounded_int(1, 4096), default=16, help="calibration batch size (default: %(default)s)")
+    add("--batch-size", type=int_range(1, 4096), default=16, help="calibration batch size (default: %(default)s)")
     add("--vae", default=None, help="the VAE (folder or Hub id) that encodes an image folder")
     add("--weights", choices=["ema", "model"], default="ema", help="which weights of a training checkpoint")
-    add("--sample-size", type=bounded_int(1, 512), default=None, help="latent size of a checkpoint (default: its own)")
-    add("--num-classes", type=bounded_int(1, 100_000), default=None, help="classes of a checkpoint (default: its own)")
+    add("--sample-size", type=int_range(1, 512), default=None, help="latent size of a checkpoint (default: its own)")
+    add("--num-classes", type=int_range(1, 100_000), default=None, help="classes of a checkpoint (default: its own)")
     add("--device", default="cpu", help="where importance is measured: cpu, cuda or cuda:N")
-    add("--seed", type=bounded_int(0, 2**63 - 1), default=0, help="seed of the calibration order, timesteps and noise")
+    add("--seed", type=int_range(0, 2**63 - 1), default=0, help="seed of the calibration order, timesteps and noise")
     add("--overwrite", action="store_true", help="replace an earlier upcycled model at --output-dir")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from .train import int_range
+from . import int_range
 
 DESCRIPTION = "upcycling against training from scratch, at demo scale"
 
