@@ -191,8 +191,8 @@ class MoHAttnProcessor:
         if attn.fused_projections:  # one GEMM for Q, K, V and the routers (fuse_projections)
             sizes = [m.out_features for m in attn.projections()]
             q, k, v, *logits = attn.to_qkv(hidden_states).split(sizes, dim=-1)  # (B, N, rows) each
-            # Slices of one GEMM output keep its row stride, which SDPA's CUDA kernels refused (or,
-            # on one H200 run, computed wrongly) when it was not a multiple of 8: copy them out.
+            # Slices of one GEMM output keep its row stride, which SDPA's CUDA kernels may refuse
+            # or mishandle when it is not a multiple of 8 (docs/results.md): copy them out.
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             routing = attn.route(hidden_states, dict(zip(attn.routers(), logits))) if routing is None else routing
         else:  # routers first: their order fixes how backward sums the input's gradient
